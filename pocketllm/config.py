@@ -1,0 +1,155 @@
+"""Engine and model configuration.
+
+`EngineArgs` is what a user passes to `LLM`; `ModelConfig` is parsed from a Hugging Face
+`config.json` (plus `generation_config.json` for EOS ids) and is all the model code reads.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BACKENDS = ("torch",)  # "triton" joins when its kernels land
+
+# backend_options keys, their types and defaults.
+BACKEND_OPTION_DEFAULTS: dict[str, Any] = {
+    "enable_batching": False,  # route generate() through the batch scheduler
+    "max_batch_size": 8,  # number of cache slots = most requests running at once
+    "background_thread": True,  # batched mode: a thread drives the scheduler loop
+    "batch_invariant": True,  # pad row counts so results do not depend on batch size
+}
+
+
+@dataclass
+class EngineArgs:
+    """How to build an engine: which checkpoint, backend, dtype, device and cache size."""
+
+    model: str
+    backend: str = "torch"
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_seq_len: int = 4096
+    backend_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, (str, Path)):
+            raise TypeError(f"model must be a path to a checkpoint directory, got {type(self.model).__name__}")
+        self.model = str(self.model)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be an int >= 2, got {self.max_seq_len!r}")
+        unknown = set(self.backend_options) - set(BACKEND_OPTION_DEFAULTS)
+        if unknown:
+            raise ValueError(
+                f"unknown backend_options {sorted(unknown)}; allowed: {sorted(BACKEND_OPTION_DEFAULTS)}"
+            )
+        self.backend_options = {**BACKEND_OPTION_DEFAULTS, **self.backend_options}
+        size = self.backend_options["max_batch_size"]
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 1024:
+            raise ValueError(f"backend_options['max_batch_size'] must be an int in [1, 1024], got {size!r}")
+        for key in ("enable_batching", "background_thread", "batch_invariant"):
+            if not isinstance(self.backend_options[key], bool):
+                raise TypeError(f"backend_options[{key!r}] must be a bool, got {self.backend_options[key]!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.backend_options["max_batch_size"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture hyper-parameters pocketllm needs, read from a Hugging Face config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def num_query_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{config_file}: no config.json in the model directory")
+        raw = json.loads(config_file.read_text())
+        generation_file = path / "generation_config.json"
+        generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
+        return cls.from_dict(raw, generation, source=str(config_file))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None,
+                  source: str = "config.json") -> "ModelConfig":
+        architectures = raw.get("architectures") or []
+        architecture = architectures[0] if architectures else raw.get("model_type", "<missing>")
+
+        def need(key: str) -> Any:
+            if key not in raw:
+                raise ValueError(f"{source}: missing required field {key!r}")
+            return raw[key]
+
+        if raw.get("use_sliding_window"):
+            raise ValueError(f"{source}: use_sliding_window=true is not supported")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"{source}: rope_type {rope_type!r} is not supported (only 'default')")
+        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+        heads = need("num_attention_heads")
+        kv_heads = raw.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        return cls(
+            architecture=architecture,
+            vocab_size=need("vocab_size"),
+            hidden_size=need("hidden_size"),
+            intermediate_size=need("intermediate_size"),
+            num_hidden_layers=need("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=raw.get("head_dim") or need("hidden_size") // heads,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            eos_token_ids=_eos_ids(raw, generation or {}),
+        )
+
+
+def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
+    """EOS ids from generation_config.json, falling back to config.json; int or list in either."""
+    ids: list[int] = []
+    for source in (generation, raw):
+        value = source.get("eos_token_id")
+        if value is None:
+            continue
+        for token in value if isinstance(value, list) else [value]:
+            if token not in ids:
+                ids.append(int(token))
+    return tuple(ids)

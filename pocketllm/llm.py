@@ -1,0 +1,131 @@
+"""LLM: the user-facing engine. Loads a checkpoint and generates, serially or through the scheduler."""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .cache import SlotCache
+from .config import EngineArgs, ModelConfig
+from .kernels import get_ops
+from .models import build_model
+from .outputs import GenerationResult
+from .runner import ModelRunner
+from .sampling import SamplingParams
+from .scheduler import BatchScheduler, Request, validate_prompt
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What this engine instance can do; `supports_batch` is True when a batch scheduler runs."""
+
+    supports_batch: bool
+    backend: str
+    max_batch_size: int
+    max_seq_len: int
+
+
+class LLM:
+    """Load a Hugging Face checkpoint directory and generate from token ids.
+
+    >>> llm = LLM(EngineArgs(model="ckpt", backend_options={"enable_batching": False}))
+    >>> llm.generate(prompt_tokens=[1, 2, 3], sampling_params=SamplingParams(max_tokens=8))
+    """
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.device = torch.device(args.device)
+        self.model_config = ModelConfig.from_dir(args.model)
+        self.ops = get_ops(args.backend, args.backend_options["batch_invariant"])
+        self.model = build_model(args.model, self.model_config, self.ops, args.torch_dtype, self.device,
+                                 args.max_seq_len)
+        cfg = self.model_config
+        self.cache = SlotCache(args.max_batch_size, args.max_seq_len, cfg.num_hidden_layers,
+                               cfg.num_key_value_heads, cfg.head_dim, args.torch_dtype, self.device)
+        self.runner = ModelRunner(self.model, self.cache, self.ops, self.device)
+        self._ids = itertools.count()
+        self.scheduler: BatchScheduler | None = None
+        if args.backend_options["enable_batching"]:
+            self.scheduler = BatchScheduler(self.runner, self.cache, cfg.vocab_size, args.max_seq_len,
+                                            cfg.eos_token_ids, args.backend_options["background_thread"],
+                                            request_ids=self._ids)
+            weakref.finalize(self, self.scheduler.stop)
+        self.capabilities = Capabilities(self.scheduler is not None, args.backend, args.max_batch_size,
+                                         args.max_seq_len)
+
+    def close(self) -> None:
+        """Stop the scheduler thread (if any); unfinished requests end as "cancelled"."""
+        if self.scheduler is not None:
+            self.scheduler.stop()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def make_request(self, prompt_tokens: list[int], params: SamplingParams) -> Request:
+        """A request with a fresh id for an already validated prompt."""
+        return Request(next(self._ids), prompt_tokens, params, params.resolved_seed(), self.model_config.eos_token_ids)
+
+    # -- generation ------------------------------------------------------------------------
+
+    def generate(self, prompt_tokens: Sequence[int] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> GenerationResult | list[GenerationResult]:
+        """One prompt (a list of ints) -> one result; a list of prompts -> a list of results.
+
+        `sampling_params` is one SamplingParams for all prompts or a list, one per prompt. Every
+        prompt is validated before any is run, so a bad one raises without side effects.
+        """
+        single = isinstance(prompt_tokens, Sequence) and len(prompt_tokens) > 0 and all(
+            isinstance(t, int) for t in prompt_tokens)
+        prompts = [prompt_tokens] if single else list(prompt_tokens)
+        if not single and not prompts:
+            raise ValueError("prompt_tokens must not be empty")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
+        if self.scheduler is not None:
+            results = self._run_batched(prompts, params_list)
+        else:
+            results = [self._run_serial(self.make_request(p, sp)) for p, sp in self._validated(prompts, params_list)]
+        return results[0] if single else results
+
+    def _validated(self, prompts: list, params_list: list[SamplingParams]) -> list[tuple[list[int], SamplingParams]]:
+        cfg = self.model_config
+        return [(validate_prompt(p, sp, cfg.vocab_size, self.args.max_seq_len), sp) for p, sp in zip(prompts, params_list)]
+
+    def _run_batched(self, prompts: list, params_list: list[SamplingParams]) -> list[GenerationResult]:
+        """Submit every prompt to the scheduler, then collect the results in order."""
+        scheduler = self.scheduler
+        ids = [scheduler.submit_request(p, sp) for p, sp in self._validated(prompts, params_list)]
+        if self.args.backend_options["background_thread"]:
+            return [scheduler.poll_result(i, timeout_ms=None) for i in ids]
+        while scheduler.has_work:
+            scheduler.step()
+        return [scheduler.poll_result(i) for i in ids]
+
+    def _run_serial(self, request: Request) -> GenerationResult:
+        """Prefill, then decode one token at a time, in a slot of the shared cache."""
+        request.slot = self.cache.allocate()
+        try:
+            (token, logprob), = self.runner.run([request.prefill_input()], is_decode=False)
+            request.append(token, logprob)
+            while not request.finished:
+                (token, logprob), = self.runner.run([request.decode_input()], is_decode=True)
+                request.append(token, logprob)
+        except Exception as exc:  # the engine keeps serving; the request records why it ended
+            request.finish("error", f"{type(exc).__name__}: {exc}")
+        finally:
+            self.cache.free(request.slot, request.held_tokens())
+        return request.result()

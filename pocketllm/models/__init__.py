@@ -1,0 +1,9 @@
+"""Model definitions, the checkpoint loader and the random-checkpoint writer."""
+
+from .batch import ForwardBatch
+from .loader import CheckpointError, load_weights
+from .presets import PRESETS, write_checkpoint
+from .registry import ARCHITECTURES, build_model
+
+__all__ = ["ARCHITECTURES", "CheckpointError", "ForwardBatch", "PRESETS", "build_model", "load_weights",
+           "write_checkpoint"]

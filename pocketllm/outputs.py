@@ -1,0 +1,26 @@
+"""GenerationResult: what a finished request returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+@dataclass
+class GenerationResult:
+    """Tokens and per-token logprobs (log-softmax of the raw logits at each sampled token).
+
+    finish_reason: "stop" (EOS or a stop token, which is included in token_ids), "length"
+    (max_tokens reached), "cancelled" or "error" (see `error`).
+    """
+
+    request_id: int
+    prompt_tokens: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    seed: int | None = None
+    ttft_s: float | None = None
+    total_time_s: float | None = None

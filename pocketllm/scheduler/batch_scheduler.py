@@ -1,0 +1,264 @@
+"""BatchScheduler: continuous batching over a fixed set of cache slots.
+
+The Python counterpart of a C++ `QwenBatchScheduler`: submit/cancel/poll/stats/stop from any
+thread, and one loop iteration, `step()`:
+
+    admit_requests -> run_prefill_batch -> run_decode_batch -> handle_completions
+
+A background thread calls `step()` while there is work and sleeps on a condition variable when
+there is none; without it, the caller drives `step()` (deterministic tests). The forward passes
+run outside the lock, so submit, cancel and poll never wait for the model.
+
+Prefill is batched: every request admitted in a step is prefilled in one varlen forward. Decode
+runs every running request in one forward. Every submitted request reaches exactly one terminal
+state ("stop", "length", "cancelled" or "error"), and its slot is freed when it does.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from typing import Callable, Iterator, Sequence
+
+from ..cache import SlotCache
+from ..outputs import GenerationResult
+from ..runner import ModelRunner
+from ..sampling import SamplingParams
+from .request import Request, RequestStatus, validate_prompt
+from .stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+Callback = Callable[[GenerationResult], None]
+
+
+class BatchScheduler:
+    def __init__(self, runner: ModelRunner, cache: SlotCache, vocab_size: int, max_seq_len: int,
+                 eos_token_ids: tuple[int, ...] = (), background_thread: bool = True,
+                 request_ids: Iterator[int] | None = None) -> None:
+        self.runner = runner
+        self.cache = cache
+        self.vocab_size = vocab_size
+        self.max_seq_len = max_seq_len
+        self.eos_token_ids = eos_token_ids
+        self._ids = request_ids if request_ids is not None else itertools.count()
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)  # the loop waits here for requests
+        self._done = threading.Condition(self._lock)  # pollers wait here for results
+        self._step_lock = threading.Lock()  # one step at a time, whoever calls it
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._running: list[Request] = []
+        self._requests: dict[int, Request] = {}  # submitted, result not yet collected
+        self._callbacks: dict[int, Callback] = {}
+        self._stepping = False
+        self._stopped = False
+        self._counts = collections.Counter()
+        self._ttfts: list[float] = []
+        self._totals: list[float] = []
+        self._busy_time = 0.0
+        self._thread: threading.Thread | None = None
+        if background_thread:
+            self._thread = threading.Thread(target=self._loop, name="pocketllm-scheduler", daemon=True)
+            self._thread.start()
+
+    # -- public API (any thread) ---------------------------------------------------------------
+
+    def submit_request(self, prompt_tokens: Sequence[int], sampling: SamplingParams | None = None,
+                       callback: Callback | None = None) -> int:
+        """Queue a request; returns its id. Bad input raises TypeError/ValueError and queues nothing."""
+        sampling = sampling if sampling is not None else SamplingParams()
+        prompt = validate_prompt(prompt_tokens, sampling, self.vocab_size, self.max_seq_len)
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("scheduler is stopped; no new requests are accepted")
+            request = Request(next(self._ids), prompt, sampling, sampling.resolved_seed(), self.eos_token_ids)
+            self._requests[request.request_id] = request
+            if callback is not None:
+                self._callbacks[request.request_id] = callback
+            self._waiting.append(request)
+            self._counts["prompt_tokens"] += len(prompt)
+            self._work.notify()
+        return request.request_id
+
+    def cancel_request(self, request_id: int) -> bool:
+        """Cancel a waiting or running request; False if it is unknown or already finished.
+        A waiting request ends at once; a running one at the end of the step in progress."""
+        with self._lock:
+            request = self._requests.get(request_id)
+            if request is None or request.finished or request.cancel_requested:
+                return False
+            request.cancel_requested = True
+            if request.status is RequestStatus.WAITING:
+                self._waiting.remove(request)
+                finished = [self._cancel_waiting(request)]
+                self._done.notify_all()
+            else:
+                finished = [] if self._stepping else self._handle_completions()
+        self._fire_callbacks(finished)
+        return True
+
+    def poll_result(self, request_id: int, timeout_ms: float | None = 0) -> GenerationResult | None:
+        """The request's result once it has finished, else None after waiting up to `timeout_ms`
+        (None: wait as long as it takes). A result is handed over once; then the id is unknown.
+        Raises KeyError for an id that was never submitted or was already collected."""
+        deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000.0
+        with self._lock:
+            while True:
+                request = self._requests.get(request_id)
+                if request is None:
+                    raise KeyError(f"request id {request_id} is unknown or its result was already collected")
+                if request.finished and request.slot is None:
+                    del self._requests[request_id]
+                    return request.result()
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._done.wait(remaining)
+
+    def get_stats(self) -> SchedulerStats:
+        with self._lock:
+            c = self._counts
+            return SchedulerStats.build(
+                list(self._ttfts), list(self._totals), waiting=len(self._waiting), running=len(self._running),
+                finished=c["finished"], cancelled=c["cancelled"], errored=c["error"],
+                prompt_tokens=c["prompt_tokens"], generated_tokens=c["generated_tokens"], steps=c["steps"],
+                prefill_batches=c["prefill_batches"], decode_batches=c["decode_batches"],
+                callback_errors=c["callback_errors"], busy_time_s=self._busy_time)
+
+    def stop(self) -> None:
+        """Stop the loop: every request not yet finished ends as "cancelled", the thread is joined."""
+        with self._lock:
+            self._stopped = True
+            self._work.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        with self._step_lock, self._lock:
+            for request in self._running:
+                request.cancel_requested = True
+            finished = self._handle_completions()
+            finished += [self._cancel_waiting(r) for r in self._waiting]
+            self._waiting.clear()
+            self._done.notify_all()
+        self._fire_callbacks(finished)
+
+    @property
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._waiting or self._running)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One loop iteration; returns whether it ran any forward pass."""
+        with self._step_lock:
+            start = time.perf_counter()
+            with self._lock:
+                self._stepping = True
+                self._counts["steps"] += 1
+                prefill = self._admit_requests()
+                decode = [r for r in self._running if r.token_ids and not r.finished and not r.cancel_requested]
+            try:
+                self._run_prefill_batch(prefill)
+                self._run_decode_batch(decode)
+            finally:
+                with self._lock:
+                    self._stepping = False
+                    if prefill or decode:
+                        self._busy_time += time.perf_counter() - start
+                    finished = self._handle_completions()
+            self._fire_callbacks(finished)
+            return bool(prefill or decode)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopped and not (self._waiting or self._running):
+                    self._work.wait()
+                if self._stopped:
+                    return
+            try:
+                self.step()
+            except Exception:  # a bug in the loop must not kill the thread silently
+                logger.exception("scheduler step failed")
+
+    def _admit_requests(self) -> list[Request]:
+        """FCFS: move waiting requests into free slots; returns the admitted ones. Lock held."""
+        admitted = []
+        while self._waiting and self.cache.num_free > 0:
+            request = self._waiting.popleft()
+            request.slot = self.cache.allocate()
+            request.status = RequestStatus.RUNNING
+            self._running.append(request)
+            admitted.append(request)
+        return admitted
+
+    def _run_prefill_batch(self, requests: list[Request]) -> None:
+        if requests:
+            self._counts["prefill_batches"] += 1
+            self._run(requests, [r.prefill_input() for r in requests], is_decode=False)
+
+    def _run_decode_batch(self, requests: list[Request]) -> None:
+        if requests:
+            self._counts["decode_batches"] += 1
+            self._run(requests, [r.decode_input() for r in requests], is_decode=True)
+
+    def _run(self, requests: list[Request], inputs: list, is_decode: bool) -> None:
+        """One forward; a failure ends every request of the batch with "error", not the loop."""
+        try:
+            outputs = self.runner.run(inputs, is_decode)
+        except Exception as exc:
+            logger.exception("forward pass failed; failing %d request(s)", len(requests))
+            for request in requests:
+                request.finish("error", f"{type(exc).__name__}: {exc}")
+            return
+        for request, (token, logprob) in zip(requests, outputs):
+            request.append(token, logprob)
+
+    def _handle_completions(self) -> list[Request]:
+        """Free the slots of finished or cancelled requests and publish their results. Lock held."""
+        finished = []
+        for request in list(self._running):
+            if request.cancel_requested:
+                request.finish("cancelled")
+            if request.finished:
+                self._running.remove(request)
+                self.cache.free(request.slot, request.held_tokens())
+                request.slot = None
+                finished.append(request)
+        for request in finished:
+            self._record(request)
+        if finished:
+            self._done.notify_all()
+        return finished
+
+    def _cancel_waiting(self, request: Request) -> Request:
+        """End a request that never got a slot. Lock held; the caller unqueues it."""
+        request.finish("cancelled")
+        self._record(request)
+        return request
+
+    def _record(self, request: Request) -> None:
+        """Count a request that has reached its terminal state. Lock held."""
+        reason = request.finish_reason
+        self._counts["finished" if reason in ("stop", "length") else reason] += 1
+        self._counts["generated_tokens"] += len(request.token_ids)
+        result = request.result()
+        if result.ttft_s is not None:
+            self._ttfts.append(result.ttft_s)
+        self._totals.append(result.total_time_s)
+
+    def _fire_callbacks(self, finished: list[Request]) -> None:
+        """Run callbacks outside the lock; one that raises is logged and counted, nothing more."""
+        for request in finished:
+            callback = self._callbacks.pop(request.request_id, None)
+            if callback is None:
+                continue
+            try:
+                callback(request.result())
+            except Exception:
+                logger.exception("callback for request %d raised", request.request_id)
+                with self._lock:
+                    self._counts["callback_errors"] += 1

@@ -1,0 +1,115 @@
+"""Request: one generation's state from submission to its single terminal state."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..outputs import GenerationResult
+from ..runner import SequenceInput
+from ..sampling import SamplingParams
+
+
+def validate_prompt(prompt_tokens: Sequence[int], params: SamplingParams, vocab_size: int,
+                    max_seq_len: int) -> list[int]:
+    """Check one prompt and its sampling params against the model and cache; returns the prompt
+    as a list of ints. Raises TypeError/ValueError naming the field and the allowed range."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+    if isinstance(prompt_tokens, (str, bytes)) or not isinstance(prompt_tokens, Sequence):
+        raise TypeError(f"prompt_tokens must be a list of ints, got {type(prompt_tokens).__name__}")
+    prompt = list(prompt_tokens)
+    if not prompt:
+        raise ValueError("prompt_tokens must not be empty")
+    for i, token in enumerate(prompt):
+        if not isinstance(token, int) or isinstance(token, bool):
+            raise TypeError(f"prompt_tokens[{i}] must be an int, got {type(token).__name__}")
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"prompt_tokens[{i}]={token} is outside the vocabulary [0, {vocab_size})")
+    for token in params.stop_token_ids:
+        if token >= vocab_size:
+            raise ValueError(f"stop_token_ids entry {token} is outside the vocabulary [0, {vocab_size})")
+    if len(prompt) + params.max_tokens > max_seq_len:
+        raise ValueError(
+            f"prompt length {len(prompt)} + max_tokens {params.max_tokens} exceeds max_seq_len {max_seq_len}"
+        )
+    return prompt
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt_tokens: list[int]
+    params: SamplingParams
+    seed: int
+    eos_token_ids: tuple[int, ...] = ()
+    status: RequestStatus = RequestStatus.WAITING
+    slot: int | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    submit_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    cancel_requested: bool = False
+
+    @property
+    def num_cached(self) -> int:
+        """Tokens whose K/V are in the slot: the prompt and every generated token but the last."""
+        return len(self.prompt_tokens) + max(len(self.token_ids) - 1, 0)
+
+    def prefill_input(self) -> SequenceInput:
+        return SequenceInput(self.slot, 0, list(self.prompt_tokens), self.params, self.seed)
+
+    def decode_input(self) -> SequenceInput:
+        return SequenceInput(self.slot, self.num_cached, [self.token_ids[-1]], self.params, self.seed)
+
+    def append(self, token: int, logprob: float) -> None:
+        """Record a sampled token and finish the request if it stops or reaches max_tokens."""
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        stops = self.params.stop_token_ids if self.params.ignore_eos else self.params.stop_token_ids + self.eos_token_ids
+        if token in stops:
+            self.finish("stop")
+        elif len(self.token_ids) >= self.params.max_tokens:
+            self.finish("length")
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
+        self.finish_time = time.perf_counter()
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def held_tokens(self) -> list[int]:
+        """Token ids whose K/V the slot holds once this request leaves it (none before prefill)."""
+        if not self.token_ids:
+            return []
+        return (self.prompt_tokens + self.token_ids)[: self.num_cached]
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(
+            request_id=self.request_id,
+            prompt_tokens=list(self.prompt_tokens),
+            token_ids=list(self.token_ids),
+            logprobs=list(self.logprobs),
+            finish_reason=self.finish_reason,
+            error=self.error,
+            seed=self.seed,
+            ttft_s=None if self.first_token_time is None else self.first_token_time - self.submit_time,
+            total_time_s=None if self.finish_time is None else self.finish_time - self.submit_time,
+        )

@@ -1,0 +1,48 @@
+"""SchedulerStats: a snapshot of what the scheduler has done, from `get_stats()`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))  # ceil(n * q / 100), at least 1
+    return ordered[int(rank) - 1]
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    waiting: int
+    running: int
+    finished: int  # ended with "stop" or "length"
+    cancelled: int
+    errored: int
+    prompt_tokens: int
+    generated_tokens: int
+    steps: int
+    prefill_batches: int
+    decode_batches: int
+    callback_errors: int
+    busy_time_s: float  # time spent inside steps that ran a forward
+    ttft_mean_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    total_time_mean_s: float
+    total_time_p50_s: float
+    total_time_p99_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of busy time."""
+        return self.generated_tokens / self.busy_time_s if self.busy_time_s > 0 else 0.0
+
+    @classmethod
+    def build(cls, ttfts: list[float], totals: list[float], **counts: float) -> "SchedulerStats":
+        mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+        return cls(ttft_mean_s=mean(ttfts), ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
+                   total_time_mean_s=mean(totals), total_time_p50_s=percentile(totals, 50),
+                   total_time_p99_s=percentile(totals, 99), **counts)
