@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-BACKENDS = ("torch",)  # "triton" joins when its kernels land
+BACKENDS = ("torch", "triton")
 
 # backend_options keys, their types and defaults.
 BACKEND_OPTION_DEFAULTS: dict[str, Any] = {
@@ -132,7 +132,7 @@ class ModelConfig:
             num_hidden_layers=need("num_hidden_layers"),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=raw.get("head_dim") or need("hidden_size") // heads,
+            head_dim=_head_dim(raw, heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
@@ -140,6 +140,13 @@ class ModelConfig:
             attention_bias=bool(raw.get("attention_bias", False)),
             eos_token_ids=_eos_ids(raw, generation or {}),
         )
+
+
+def _head_dim(raw: dict[str, Any], heads: int) -> int:
+    """Qwen3Config's default: 128 when the field is absent; hidden_size / heads when it is null."""
+    if "head_dim" not in raw:
+        return 128
+    return raw["head_dim"] or raw["hidden_size"] // heads
 
 
 def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:

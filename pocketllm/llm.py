@@ -82,8 +82,8 @@ class LLM:
         `sampling_params` is one SamplingParams for all prompts or a list, one per prompt. Every
         prompt is validated before any is run, so a bad one raises without side effects.
         """
-        single = isinstance(prompt_tokens, Sequence) and len(prompt_tokens) > 0 and all(
-            isinstance(t, int) for t in prompt_tokens)
+        single = isinstance(prompt_tokens, Sequence) and len(prompt_tokens) > 0 and not isinstance(
+            prompt_tokens[0], Sequence)
         prompts = [prompt_tokens] if single else list(prompt_tokens)
         if not single and not prompts:
             raise ValueError("prompt_tokens must not be empty")

@@ -53,7 +53,7 @@ class ModelRunner:
 
         tokens, logprobs = self.ops.sample(
             logits,
-            column([float(s.params.temperature) for s in seqs], torch.float32),
+            column([0.0 if s.params.greedy else float(s.params.temperature) for s in seqs], torch.float32),
             column([s.params.top_k for s in seqs], torch.int64),
             column([float(s.params.top_p) for s in seqs], torch.float32),
             column([_as_int64(s.seed) for s in seqs], torch.int64),

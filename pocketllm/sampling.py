@@ -7,6 +7,8 @@ import secrets
 from dataclasses import dataclass
 
 MAX_SEED = 2**64 - 1
+# Below this temperature sampling is greedy: dividing logits by a smaller one overflows fp32.
+MIN_TEMPERATURE = 1e-5
 
 
 def _is_int(value: object) -> bool:
@@ -15,7 +17,7 @@ def _is_int(value: object) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy. top_k 0 and top_p 1 disable those filters. A request without a
+    """temperature 0 (or below MIN_TEMPERATURE) is greedy. top_k 0 and top_p 1 disable those filters. A request without a
     seed gets a random one at submission, reported in its result so the run can be replayed."""
 
     max_tokens: int = 16
@@ -50,7 +52,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
     def resolved_seed(self) -> int:
         """The request's seed: the one given, or a fresh random one."""

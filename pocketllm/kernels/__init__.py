@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from . import _triton  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
 from .activation import silu_and_mul_ref
 from .attention import decode_attention_ref, prefill_attention_ref
 from .embedding import embedding_ref
@@ -48,7 +49,33 @@ def torch_ops(batch_invariant: bool = True) -> Ops:
     )
 
 
+def triton_ops() -> Ops:
+    """Every op with a Triton kernel uses it (compiled on CUDA, interpreted on CPU). The kernels
+    are batch invariant by construction (fixed tiles, no split-K, fixed split size), so this table
+    has no padding switch. The embedding stays a gather: it does no arithmetic."""
+    from .activation import silu_and_mul_triton
+    from .attention import decode_attention_triton, prefill_attention_triton
+    from .kv_write import rope_write_kv_triton
+    from .linear import linear_triton
+    from .rmsnorm import rms_norm_triton
+    from .sampling import sample_triton
+
+    return Ops(
+        embedding=embedding_ref,
+        rms_norm=rms_norm_triton,
+        rope_write_kv=rope_write_kv_triton,
+        prefill_attention=prefill_attention_triton,
+        decode_attention=decode_attention_triton,
+        silu_and_mul=silu_and_mul_triton,
+        linear=linear_triton,
+        sample=sample_triton,
+    )
+
+
 def get_ops(backend: str, batch_invariant: bool = True) -> Ops:
+    """The op table of `backend` ("torch" or "triton")."""
     if backend == "torch":
         return torch_ops(batch_invariant)
-    raise ValueError(f"backend {backend!r} has no op table yet; available: 'torch'")
+    if backend == "triton":
+        return triton_ops()
+    raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")

@@ -7,9 +7,13 @@ cache holds K/V for positions [0, start + n) of a sequence by the time attention
 - `prefill_attention_ref`: varlen queries (cu_seqlens) of several sequences, each at absolute
   positions start .. start + n - 1 of its slot.
 - `decode_attention_ref`: one query per sequence, at position seq_len - 1 of its slot.
+- `prefill_attention_triton`, `decode_attention_triton`: Triton kernels with the same semantics,
+  batch invariant by construction (see their docstrings).
 """
 
 import torch
+
+from ._triton import kernel_device_ok, tl, triton
 
 
 def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
@@ -48,4 +52,243 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out = torch.empty_like(q)
     for i, (slot, length) in enumerate(zip(slot_ids.tolist(), seq_lens.tolist())):
         out[i:i + 1] = _attend_one(q[i:i + 1], k_cache[slot, :length], v_cache[slot, :length], length - 1, scale)
+    return out
+
+
+# -- Triton kernels ---------------------------------------------------------------------------
+
+# Fixed tile sizes. They never depend on the batch, so a sequence's arithmetic never does either.
+DECODE_BLOCK_N = 64  # keys per block in decode; a split is a whole number of these blocks
+DECODE_SPLIT_SIZE = 256  # keys per split in decode (fixed size, not a fixed count)
+PREFILL_BLOCK_M = 64  # query rows per prefill tile
+PREFILL_BLOCK_N = 64  # keys per prefill block
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs must not be rounded to TF32 on GPU; fp16/bf16 inputs use the default."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+                         stride_qb, stride_qh, stride_qd,
+                         stride_ks, stride_kl, stride_kh, stride_kd,
+                         stride_vs, stride_vl, stride_vh, stride_vd,
+                         num_heads, max_splits, scale,
+                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_SIZE: tl.constexpr,
+                         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    """One (sequence, KV head, split): all query heads of the group against keys
+    [split * SPLIT_SIZE, min((split + 1) * SPLIT_SIZE, seq_len)), online softmax in fp32; writes the
+    split's unnormalised (max, sum, acc) per head. Splits past the sequence's end do nothing."""
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    seq_len = tl.load(len_ptr + seq).to(tl.int32)
+    split_start = split * SPLIT_SIZE
+    if split_start < seq_len:
+        split_end = tl.minimum(split_start + SPLIT_SIZE, seq_len)
+        slot = tl.load(slot_ptr + seq).to(tl.int64)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        g_mask = g < GROUP
+        d_mask = d < HEAD_DIM
+        heads = kv_head * GROUP + g
+        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
+        v_base = v_ptr + slot * stride_vs + kv_head * stride_vh
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for block_start in range(split_start, split_end, BLOCK_N):
+            pos = block_start + offs_n
+            kv_mask = pos < split_end
+            k = tl.load(k_base + pos[:, None].to(tl.int64) * stride_kl + d[None, :] * stride_kd,
+                        mask=kv_mask[:, None] & d_mask[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+            s = tl.where(kv_mask[None, :], s, float("-inf"))
+            # Every block of a split holds at least one key, so m_new is finite.
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + pos[:, None].to(tl.int64) * stride_vl + d[None, :] * stride_vd,
+                        mask=kv_mask[:, None] & d_mask[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m = m_new
+        part = (seq * num_heads + heads) * max_splits + split  # [BLOCK_G]
+        tl.store(part_m_ptr + part, m, mask=g_mask)
+        tl.store(part_l_ptr + part, l, mask=g_mask)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_merge_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, len_ptr, out_ptr,
+                         stride_ob, stride_oh, stride_od, num_heads, max_splits,
+                         HEAD_DIM: tl.constexpr, SPLIT_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One (sequence, query head): merges its ceil(seq_len / SPLIT_SIZE) splits in split order
+    with log-sum-exp and writes the normalised output in the output's dtype."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    num_splits = tl.cdiv(tl.load(len_ptr + seq).to(tl.int32), SPLIT_SIZE)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    first = (seq * num_heads + head) * max_splits
+    m = tl.load(part_m_ptr + first)
+    l = tl.load(part_l_ptr + first)
+    acc = tl.load(part_acc_ptr + first * HEAD_DIM + d, mask=d_mask, other=0.0)
+    for split in range(1, num_splits):
+        m_split = tl.load(part_m_ptr + first + split)
+        l_split = tl.load(part_l_ptr + first + split)
+        acc_split = tl.load(part_acc_ptr + (first + split) * HEAD_DIM + d, mask=d_mask, other=0.0)
+        m_new = tl.maximum(m, m_split)
+        alpha = tl.exp(m - m_new)
+        beta = tl.exp(m_split - m_new)
+        l = l * alpha + l_split * beta
+        acc = acc * alpha + acc_split * beta
+        m = m_new
+    out = acc / l
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            slot_ids: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                            split_size: int = DECODE_SPLIT_SIZE) -> torch.Tensor:
+    """Split-KV decode attention, same semantics as `decode_attention_ref`.
+
+    Batch invariant by construction: a split is a fixed number of keys (`split_size`) at fixed
+    absolute positions, walked in fixed BLOCK_N blocks, so the splits of a sequence and every
+    split's arithmetic depend only on its own length and K/V; the merge folds exactly that
+    sequence's splits in split order. Batch size, other sequences' lengths and the slot index
+    change only how many programs are launched, never what any program computes.
+    """
+    kernel_device_ok(q)
+    if split_size <= 0 or split_size % DECODE_BLOCK_N:
+        raise ValueError(f"split_size must be a positive multiple of {DECODE_BLOCK_N}, got {split_size}")
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    max_splits = triton.cdiv(int(seq_lens.max()), split_size)
+    part_m = torch.empty((batch, num_heads, max_splits), dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty((batch, num_heads, max_splits, head_dim), dtype=torch.float32, device=q.device)
+    block_d = _block_d(head_dim)
+    _decode_split_kernel[(batch, num_kv_heads, max_splits)](
+        q, k_cache, v_cache, slot_ids, seq_lens, part_m, part_l, part_acc,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        num_heads, max_splits, scale,
+        GROUP=group, HEAD_DIM=head_dim, SPLIT_SIZE=split_size,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=DECODE_BLOCK_N, BLOCK_D=block_d,
+        DOT_PRECISION=_dot_precision(q.dtype), num_stages=2)
+    _decode_merge_kernel[(batch, num_heads)](
+        part_m, part_l, part_acc, seq_lens, out, *out.stride(), num_heads, max_splits,
+        HEAD_DIM=head_dim, SPLIT_SIZE=split_size, BLOCK_D=block_d)
+    return out
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, start_ptr, cu_ptr, tile_seq_ptr, tile_row_ptr,
+                    stride_qt, stride_qh, stride_qd,
+                    stride_ks, stride_kl, stride_kh, stride_kd,
+                    stride_vs, stride_vl, stride_vh, stride_vd,
+                    stride_ot, stride_oh, stride_od, scale,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """One (query tile of one sequence, query head): rows tile_row .. tile_row + BLOCK_M - 1 of the
+    sequence against key blocks [0, BLOCK_N), [BLOCK_N, 2 BLOCK_N), .. up to the tile's last
+    position, causal by absolute position, online softmax in fp32."""
+    tile = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    seq = tl.load(tile_seq_ptr + tile).to(tl.int64)
+    tile_row = tl.load(tile_row_ptr + tile).to(tl.int32)
+    first_token = tl.load(cu_ptr + seq).to(tl.int64)
+    num_rows = (tl.load(cu_ptr + seq + 1) - first_token).to(tl.int32)
+    start = tl.load(start_ptr + seq).to(tl.int32)
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    kv_head = head // GROUP
+    rows = tile_row + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    row_mask = rows < num_rows
+    d_mask = d < HEAD_DIM
+    q_pos = start + rows
+    last_pos = start + tl.minimum(tile_row + BLOCK_M, num_rows) - 1
+    tokens = first_token + rows
+    q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :] * stride_qd,
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
+    v_base = v_ptr + slot * stride_vs + kv_head * stride_vh
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for block_start in range(0, last_pos + 1, BLOCK_N):
+        pos = block_start + offs_n
+        kv_mask = pos <= last_pos
+        k = tl.load(k_base + pos[:, None].to(tl.int64) * stride_kl + d[None, :] * stride_kd,
+                    mask=kv_mask[:, None] & d_mask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        # Key 0 (block 0) is visible to every row, so m is finite after block 0. A later block
+        # that is fully masked for a row then has m_new == m: alpha = exp(0) = 1 and p = exp(-inf)
+        # = 0 exactly, so it leaves the row's (m, l, acc) bit for bit unchanged.
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + pos[:, None].to(tl.int64) * stride_vl + d[None, :] * stride_vd,
+                    mask=kv_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+    out = acc / l[:, None]
+    tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def _prefill_tiles(cu_seqlens: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query tiles that never straddle two sequences: (sequence index, first row) per tile."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    tiles = (lengths + block_m - 1) // block_m
+    num_tiles = int(tiles.sum())
+    device = cu_seqlens.device
+    tile_seq = torch.repeat_interleave(torch.arange(len(tiles), device=device), tiles, output_size=num_tiles)
+    first_tile = torch.cumsum(tiles, 0) - tiles
+    tile_row = (torch.arange(num_tiles, device=device) - first_tile[tile_seq]) * block_m
+    return tile_seq, tile_row
+
+
+def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             slot_ids: torch.Tensor, start_positions: torch.Tensor,
+                             cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Varlen causal prefill attention over slotted caches, same semantics as `prefill_attention_ref`.
+
+    Row invariant by construction: tiles hold rows of one sequence only, key blocks sit at fixed
+    absolute positions (multiples of BLOCK_N from 0), and every operation on a row (its row of
+    q.K^T, max, exp, sum, its row of p.V) reads only that row. The blocks a tile walks past a row's
+    own position are fully masked for it and merge as exact no-ops, so a row's result is the same
+    whichever rows share its tile: a sequence alone or in a batch, a prompt in one piece or in two
+    over a cached prefix, all give bit-identical rows.
+    """
+    kernel_device_ok(q)
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    tile_seq, tile_row = _prefill_tiles(cu_seqlens, PREFILL_BLOCK_M)
+    _prefill_kernel[(tile_seq.numel(), num_heads)](
+        q, k_cache, v_cache, out, slot_ids, start_positions, cu_seqlens, tile_seq, tile_row,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), scale,
+        GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim,
+        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, BLOCK_D=_block_d(head_dim),
+        DOT_PRECISION=_dot_precision(q.dtype), num_stages=2)
     return out

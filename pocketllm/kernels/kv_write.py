@@ -2,10 +2,14 @@
 
 Attention reads K/V from the slot only after this write, so a token attends to exactly the
 bytes every later step will read too.
+
+`rope_write_kv_triton` is the Triton kernel: one program per token rotates its q and k heads and
+writes k and v into the cache, in one launch.
 """
 
 import torch
 
+from ._triton import kernel_device_ok, tl, triton
 from .rope import apply_rope_ref
 
 
@@ -25,3 +29,106 @@ def rope_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     """
     write_kv_ref(k_cache, v_cache, apply_rope_ref(k, positions, cos, sin), v, token_slots, positions)
     return apply_rope_ref(q, positions, cos, sin)
+
+
+# -- Triton ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotate_tile(ptr, row_offset, head_stride, dim_stride, heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_HALF: tl.constexpr, c1, s1, c2, s2):
+    """Load one token's [heads, D] tile as its two halves and rotate it in the tile's dtype.
+
+    Each product and each sum is computed in fp32 and rounded to the dtype, as torch computes
+    `x * c + rotate_half(x) * s` for 16-bit floats; for fp32 the conversions are no-ops.
+    Returns (first half, second half, head indices, mask)."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_HALF)
+    mask = (h < heads)[:, None] & (d < HALF)[None, :]
+    base = ptr + row_offset + h[:, None].to(tl.int64) * head_stride + d[None, :].to(tl.int64) * dim_stride
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF * dim_stride, mask=mask, other=0.0)
+    dtype = x1.dtype
+    # cos/sin cast to x's dtype first, as the reference does.
+    c1 = c1.to(dtype).to(tl.float32)[None, :]
+    s1 = s1.to(dtype).to(tl.float32)[None, :]
+    c2 = c2.to(dtype).to(tl.float32)[None, :]
+    s2 = s2.to(dtype).to(tl.float32)[None, :]
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    out1 = ((x1f * c1).to(dtype).to(tl.float32) - (x2f * s1).to(dtype).to(tl.float32)).to(dtype)
+    out2 = ((x2f * c2).to(dtype).to(tl.float32) + (x1f * s2).to(dtype).to(tl.float32)).to(dtype)
+    return out1, out2, h, mask
+
+
+@triton.jit
+def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr,
+                          q_out_ptr, k_cache_ptr, v_cache_ptr,
+                          q_st, q_sh, q_sd, k_st, k_sh, k_sd, v_st, v_sh, v_sd,
+                          cos_sp, cos_sd, sin_sp, sin_sd,
+                          kc_ss, kc_sp, kc_sh, kc_sd, vc_ss, vc_sp, vc_sh, vc_sd,
+                          HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
+                          BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Program t handles token t: all its q heads, k heads and v heads."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    dmask = d < HALF
+    d64 = d.to(tl.int64)
+    c1 = tl.load(cos_ptr + pos * cos_sp + d64 * cos_sd, mask=dmask, other=0.0)
+    c2 = tl.load(cos_ptr + pos * cos_sp + (d64 + HALF) * cos_sd, mask=dmask, other=0.0)
+    s1 = tl.load(sin_ptr + pos * sin_sp + d64 * sin_sd, mask=dmask, other=0.0)
+    s2 = tl.load(sin_ptr + pos * sin_sp + (d64 + HALF) * sin_sd, mask=dmask, other=0.0)
+
+    # q -> a contiguous [T, HQ, 2 * HALF] output.
+    q1, q2, hq, qmask = _rotate_tile(q_ptr, t * q_st, q_sh, q_sd, HQ, HALF, BLOCK_HQ, BLOCK_HALF, c1, s1, c2, s2)
+    q_out = q_out_ptr + t * (HQ * 2 * HALF) + hq[:, None] * (2 * HALF) + d[None, :]
+    tl.store(q_out, q1, mask=qmask)
+    tl.store(q_out + HALF, q2, mask=qmask)
+
+    # k -> k_cache[slot, pos] (int64 offsets: slot * slot_stride can pass 2^31).
+    k1, k2, hk, kmask = _rotate_tile(k_ptr, t * k_st, k_sh, k_sd, HKV, HALF, BLOCK_HKV, BLOCK_HALF, c1, s1, c2, s2)
+    k_dst = (k_cache_ptr + slot * kc_ss + pos * kc_sp + hk[:, None].to(tl.int64) * kc_sh
+             + d64[None, :] * kc_sd)
+    tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kmask)
+    tl.store(k_dst + HALF * kc_sd, k2.to(k_cache_ptr.dtype.element_ty), mask=kmask)
+
+    # v -> v_cache[slot, pos], unrotated.
+    v_src = v_ptr + t * v_st + hk[:, None].to(tl.int64) * v_sh + d64[None, :] * v_sd
+    v_dst = (v_cache_ptr + slot * vc_ss + pos * vc_sp + hk[:, None].to(tl.int64) * vc_sh
+             + d64[None, :] * vc_sd)
+    tl.store(v_dst, tl.load(v_src, mask=kmask).to(v_cache_ptr.dtype.element_ty), mask=kmask)
+    tl.store(v_dst + HALF * vc_sd, tl.load(v_src + HALF * v_sd, mask=kmask).to(v_cache_ptr.dtype.element_ty),
+             mask=kmask)
+
+
+def rope_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                         cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         token_slots: torch.Tensor) -> torch.Tensor:
+    """`rope_write_kv_ref` in one launch: q/k/v [T, heads, D] (any strides), positions/token_slots
+    int64 [T], cos/sin fp32 [P, D], caches [slots, max_seq_len, kv_heads, D]; returns rotated q as a
+    new contiguous [T, q_heads, D] tensor.
+
+    Invariant by construction: the op is elementwise per (token, head, dim). Program t reads only
+    token t's rows, its position's cos/sin row and writes only cache entry (slot[t], pos[t]); the
+    tile shape comes from the head count and head dim (model constants), never from T. Each
+    product and sum is rounded to x's dtype in the reference's order and FMA contraction is off,
+    so fp32 results are bitwise the reference's and 16-bit results round each step as torch does.
+    """
+    kernel_device_ok(q)
+    tokens, q_heads, dim = q.shape
+    kv_heads = k.shape[1]
+    if dim % 2 or k.shape != (tokens, kv_heads, dim) or v.shape != (tokens, kv_heads, dim):
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need [T, heads, even D]")
+    out = torch.empty((tokens, q_heads, dim), dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return out
+    half = dim // 2
+    _rope_write_kv_kernel[(tokens,)](
+        q, k, v, positions, token_slots, cos, sin, out, k_cache, v_cache,
+        *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(), *k_cache.stride(), *v_cache.stride(),
+        HQ=q_heads, HKV=kv_heads, HALF=half, BLOCK_HQ=triton.next_power_of_2(q_heads),
+        BLOCK_HKV=triton.next_power_of_2(kv_heads), BLOCK_HALF=triton.next_power_of_2(half),
+        enable_fp_fusion=False)
+    return out

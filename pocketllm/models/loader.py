@@ -60,6 +60,8 @@ def load_weights(path: str | Path, expected: dict[str, tuple[int, ...]], dtype: 
             for name in handle.keys():
                 if skip(name):
                     continue
+                if name in weights:
+                    raise CheckpointError(f"{file.name}: tensor {name!r} is also in an earlier shard")
                 if name not in expected:
                     raise CheckpointError(f"{file.name}: unexpected tensor {name!r}")
                 shape = tuple(handle.get_slice(name).get_shape())

@@ -152,7 +152,8 @@ class BatchScheduler:
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """One loop iteration; returns whether it ran any forward pass."""
+        """One loop iteration; returns whether it ran any forward pass. Callbacks fire after the
+        step has released its lock, so a callback may submit, cancel, step or stop."""
         with self._step_lock:
             start = time.perf_counter()
             with self._lock:
@@ -169,8 +170,8 @@ class BatchScheduler:
                     if prefill or decode:
                         self._busy_time += time.perf_counter() - start
                     finished = self._handle_completions()
-            self._fire_callbacks(finished)
-            return bool(prefill or decode)
+        self._fire_callbacks(finished)
+        return bool(prefill or decode)
 
     def _loop(self) -> None:
         while True:

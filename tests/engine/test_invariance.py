@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pocketllm import LLM, EngineArgs, SamplingParams
@@ -111,13 +111,15 @@ def mismatches(engines: Engines, workload: list[Job], max_batch_size: int) -> li
     return found
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_checkpoint):
-    engines = Engines(tiny_checkpoint)
+@pytest.fixture(scope="module", params=["tiny", "untied_gqa4_bias"])
+def engines(request, checkpoint_dir):
+    engines = Engines(checkpoint_dir(request.param))
     yield engines
     engines.close()
 
 
+# The contract is the product's signature: this property runs three times the profile's examples.
+@settings(max_examples=3 * settings.default.max_examples)
 @given(workload=workloads)
 def test_batched_equals_serial_bitwise(engines, workload):
     """Every request's tokens and logprobs equal its serial run, whatever shares its batches."""
@@ -144,7 +146,7 @@ def test_negative_control_without_invariance_padding(tiny_checkpoint):
         engines.close()
 
 
-def test_background_thread_with_concurrent_submitters(engines, tiny_checkpoint):
+def test_background_thread_with_concurrent_submitters(engines):
     """The equality holds with the scheduler thread running and requests submitted from several
     threads at random times."""
     rng = random.Random(1)
@@ -154,7 +156,7 @@ def test_background_thread_with_concurrent_submitters(engines, tiny_checkpoint):
                     arrival_step=0, cancel_step=None)
                for _ in range(24)]
     options = {"enable_batching": True, "max_batch_size": 4, "background_thread": True}
-    with LLM(EngineArgs(model=str(tiny_checkpoint), max_seq_len=MAX_SEQ_LEN, backend_options=options)) as llm:
+    with LLM(EngineArgs(model=str(engines.path), max_seq_len=MAX_SEQ_LEN, backend_options=options)) as llm:
         results: dict[int, object] = {}
         lock = threading.Lock()
 
