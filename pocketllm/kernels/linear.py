@@ -1,12 +1,13 @@
 """Linear layers: y = x @ W^T (+ b).
 
-`linear_ref` is the plain reference. `linear_row_invariant` is what the torch backend runs: CPU
-BLAS (MKL here) switches its GEMM kernel on the number of rows, so one row's result changes with
-how many other rows share the call. Measured on MKL 2024.2 / AVX-512, fp32, for K, N from 32 to
-4096: row counts 1-3, 5-7 and 9-11 each round differently, while every multiple of 4 and every
-count >= 12 agree bit for bit. Padding the row count up to a multiple of `ROW_MULTIPLE` therefore
-makes each row's result independent of the batch. tests/kernels/test_linear.py re-measures this
-on the machine that runs it, so a BLAS with other thresholds fails loudly instead of silently.
+`linear_ref` is the plain reference. `linear_row_invariant` is what the torch backend runs. CPU
+BLAS (MKL here) switches its GEMM kernel on the number of rows, so one row's result can change
+with how many other rows share the call. Measured on MKL 2024.2 / AVX-512 for K, N from 64 to
+32000 and M up to 3000: computed as W @ x^T, row counts below 12 each round differently, while
+every count from 12 on agrees bit for bit (F.linear also agrees at multiples of 4, but its
+small-M GEMM is 2-3x slower than W @ x^T). So the torch backend computes W @ x^T with the rows
+padded to at least `MIN_ROWS`. tests/kernels/test_ops_reference.py re-measures this on the machine
+that runs it, so a BLAS with other thresholds fails loudly instead of silently.
 `linear_triton` is the Triton kernel, row invariant by construction (fixed tiles, no split-K).
 """
 
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 from ._triton import INTERPRETED, kernel_device_ok, tl, triton
 
-ROW_MULTIPLE = 4
+MIN_ROWS = 16
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -24,12 +25,12 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 def linear_row_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`linear_ref` with the row count padded so each row's bits do not depend on M."""
+    """W @ x^T with at least MIN_ROWS rows, so each row's bits do not depend on M."""
     rows = x.shape[0]
-    pad = -rows % ROW_MULTIPLE
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    return F.linear(x, weight, bias)[:rows]
+    if rows < MIN_ROWS:
+        x = torch.cat([x, x.new_zeros(MIN_ROWS - rows, x.shape[1])])
+    out = torch.matmul(weight, x.T).T[:rows]
+    return (out if bias is None else out + bias).contiguous()
 
 
 # -- Triton ------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from pocketllm.kernels.activation import silu_and_mul_ref
 from pocketllm.kernels.attention import decode_attention_ref, prefill_attention_ref
 from pocketllm.kernels.embedding import embedding_ref
 from pocketllm.kernels.kv_write import rope_write_kv_ref, write_kv_ref
-from pocketllm.kernels.linear import ROW_MULTIPLE, linear_ref, linear_row_invariant
+from pocketllm.kernels.linear import MIN_ROWS, linear_ref, linear_row_invariant
 from pocketllm.kernels.rmsnorm import rms_norm_ref
 from pocketllm.kernels.rope import apply_rope_ref, rope_table
 
@@ -365,13 +365,27 @@ def test_linear_row_invariant_is_bitwise_independent_of_row_count(dtype, with_bi
 def test_plain_linear_is_not_row_invariant(k, n):
     """Negative control: without the row padding, some small M changes a row's bits on this BLAS,
     which is why linear_row_invariant pads. Skips on a BLAS without a small-M kernel switch.
-    The row counts that differ are never multiples of ROW_MULTIPLE, the padding's premise."""
+    The padding's premise: from MIN_ROWS rows on, W @ x^T gives every row the same bits."""
     x = _randn(40, k, seed=k * n + 1)
     w = _randn(n, k, seed=k + n + 1)
-    full = linear_ref(x, w)
-    differing = [m for m in range(1, 13) if not torch.equal(linear_ref(x[:m], w), full[:m])]
+
+    def plain(rows):
+        return (w @ x[:rows].T).T
+
+    full = plain(40)
+    differing = [m for m in range(1, MIN_ROWS) if not torch.equal(plain(m), full[:m])]
     if not differing:
-        pytest.skip("this BLAS has no small-M kernel switch: plain linear is already row invariant for M in 1..12")
-    assert all(m % ROW_MULTIPLE for m in differing), f"padded row counts differ too: {differing}"
-    padded = [m for m in range(ROW_MULTIPLE, 41, ROW_MULTIPLE) if not torch.equal(linear_ref(x[:m], w), full[:m])]
-    assert not padded, f"plain linear differs at padded row counts {padded}"
+        pytest.skip("this BLAS has no small-M kernel switch: W @ x^T is already row invariant below MIN_ROWS")
+    padded = [m for m in range(MIN_ROWS, 41) if not torch.equal(plain(m), full[:m])]
+    assert not padded, f"W @ x^T differs at row counts >= MIN_ROWS: {padded}"
+
+
+@pytest.mark.parametrize("k,n", [(512, 1408), (1408, 512)])
+def test_linear_row_invariant_at_prefill_sizes(k, n):
+    """Large row counts (long prefills) keep the rows' bits: the first 16 rows are the same for
+    M = 16 and for M up to 1500."""
+    x = _randn(1500, k, seed=k + 7)
+    w = _randn(n, k, seed=n + 7)
+    head = linear_row_invariant(x[:16], w)
+    bad = [m for m in (17, 100, 257, 513, 1024, 1500) if not torch.equal(linear_row_invariant(x[:m], w)[:16], head)]
+    assert not bad, f"row results change at M in {bad}"
