@@ -23,11 +23,15 @@ import torch.nn.functional as F
 
 from pocketllm.kernels import _triton
 from pocketllm.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from pocketllm.kernels.conv1d import (causal_conv1d_decode_ref, causal_conv1d_decode_triton,
+                                      causal_conv1d_prefill_ref, causal_conv1d_prefill_triton)
+from pocketllm.kernels.gated_delta import (gated_delta_decode_ref, gated_delta_decode_triton, gated_delta_prefill_ref,
+                                           gated_delta_prefill_triton)
 from pocketllm.kernels.attention import (decode_attention_ref, decode_attention_triton, prefill_attention_ref,
                                          prefill_attention_triton)
 from pocketllm.kernels.kv_write import rope_write_kv_ref, rope_write_kv_triton
 from pocketllm.kernels.linear import linear_ref, linear_triton
-from pocketllm.kernels.rmsnorm import rms_norm_ref, rms_norm_triton
+from pocketllm.kernels.rmsnorm import rms_norm_gated_ref, rms_norm_gated_triton, rms_norm_ref, rms_norm_triton
 from pocketllm.kernels.rope import rope_table
 from pocketllm.kernels.sampling import sample_ref, sample_triton
 
@@ -44,6 +48,7 @@ class Case:
     baselines: dict[str, Callable[[], object]]
     bytes_moved: float = 0.0
     flops: float = 0.0
+    reset: Callable[[], object] | None = None  # stateful ops: restore the state before the error check
 
 
 def time_ms(fn: Callable[[], object], smoke: bool) -> float:
@@ -66,6 +71,9 @@ def nbytes(*tensors: torch.Tensor) -> int:
 
 def make_cases(device: str, dtype: torch.dtype, smoke: bool) -> list[Case]:
     g = torch.Generator(device="cpu").manual_seed(0)
+
+    def g_cpu(seed: int) -> torch.Generator:
+        return torch.Generator(device="cpu").manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
@@ -139,6 +147,41 @@ def make_cases(device: str, dtype: torch.dtype, smoke: bool) -> list[Case]:
                       lambda: rope_write_kv_triton(q, k, v, positions, cos, sin, k_cache, v_cache, slots),
                       {"reference": lambda: rope_write_kv_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slots)},
                       bytes_moved=2 * nbytes(q, k, v) + nbytes(k)))
+    # -- Gated DeltaNet (Qwen3.5) -------------------------------------------------------------------
+    seqs, length = (2, 70) if smoke else (8, 512)
+    hk, hv, dk, dv, width = (1, 2, 16, 16, 4) if smoke else (16, 32, 128, 128, 4)
+    conv_dim = 2 * hk * dk + hv * dv
+    gd_tokens = seqs * length
+    gd_slots = torch.arange(seqs, device=device)
+    gd_starts = torch.zeros(seqs, dtype=torch.int64, device=device)
+    gd_cu = torch.arange(0, gd_tokens + 1, length, device=device)
+    gd_x, gd_conv_w = rand(gd_tokens, conv_dim), rand(conv_dim, width)
+    gd_conv_states = torch.zeros(seqs, conv_dim, width - 1, device=device, dtype=dtype)
+    cases.append(Case("conv1d_prefill", f"T={gd_tokens} C={conv_dim} K={width}",
+                      lambda: causal_conv1d_prefill_triton(gd_x, gd_conv_w, gd_conv_states, gd_slots, gd_cu),
+                      {"reference": lambda: causal_conv1d_prefill_ref(gd_x, gd_conv_w, gd_conv_states, gd_slots, gd_cu)},
+                      bytes_moved=2 * nbytes(gd_x), reset=gd_conv_states.zero_))
+    gd_x1 = rand(seqs, conv_dim)
+    cases.append(Case("conv1d_decode", f"B={seqs} C={conv_dim} K={width}",
+                      lambda: causal_conv1d_decode_triton(gd_x1, gd_conv_w, gd_conv_states, gd_slots),
+                      {"reference": lambda: causal_conv1d_decode_ref(gd_x1, gd_conv_w, gd_conv_states, gd_slots)},
+                      bytes_moved=2 * nbytes(gd_x1) + 2 * nbytes(gd_conv_states), reset=gd_conv_states.zero_))
+    gd_q, gd_k, gd_v = rand(gd_tokens, hk, dk), rand(gd_tokens, hk, dk), rand(gd_tokens, hv, dv)
+    gd_decay = -torch.rand(gd_tokens, hv, generator=g_cpu(1)).to(device)
+    gd_beta = torch.rand(gd_tokens, hv, generator=g_cpu(2)).to(device)
+    gd_states = torch.zeros(seqs, hv, dk, dv, device=device)
+    cases.append(Case("gated_delta_prefill", f"B={seqs} len={length} Hk={hk} Hv={hv} Dk={dk} Dv={dv}",
+                      lambda: gated_delta_prefill_triton(gd_q, gd_k, gd_v, gd_decay, gd_beta, gd_states, gd_slots, gd_starts, gd_cu),
+                      {"reference": lambda: gated_delta_prefill_ref(gd_q, gd_k, gd_v, gd_decay, gd_beta, gd_states, gd_slots, gd_starts, gd_cu)},
+                      flops=2 * 2 * gd_tokens * hv * dk * dv, reset=gd_states.zero_))
+    q1, k1, v1, g1, b1 = gd_q[:seqs], gd_k[:seqs], gd_v[:seqs], gd_decay[:seqs], gd_beta[:seqs]
+    cases.append(Case("gated_delta_decode", f"B={seqs} Hv={hv} Dk={dk} Dv={dv}",
+                      lambda: gated_delta_decode_triton(q1, k1, v1, g1, b1, gd_states, gd_slots),
+                      {"reference": lambda: gated_delta_decode_ref(q1, k1, v1, g1, b1, gd_states, gd_slots)},
+                      bytes_moved=2 * nbytes(gd_states), reset=gd_states.zero_))
+    o, z, norm_w = rand(gd_tokens, hv, dv), rand(gd_tokens, hv, dv), rand(dv)
+    cases.append(Case("rms_norm_gated", f"{gd_tokens}x{hv}x{dv}", lambda: rms_norm_gated_triton(o, z, norm_w, 1e-6),
+                      {"reference": lambda: rms_norm_gated_ref(o, z, norm_w, 1e-6)}, bytes_moved=3 * nbytes(o)))
     # -- sampling ----------------------------------------------------------------------------------
     batch, vocab = (3, 300) if smoke else (64, 151936)
     logits = torch.randn(batch, vocab, generator=g).to(device)
@@ -170,7 +213,12 @@ def main() -> None:
     rows = []
     for case in make_cases(device, dtype, smoke=not cuda):
         kernel_ms = time_ms(case.kernel, not cuda)
-        error = max_abs_error(case.kernel(), case.baselines["reference"]())
+        outputs = []
+        for fn in (case.kernel, case.baselines["reference"]):
+            if case.reset:
+                case.reset()
+            outputs.append(fn())
+        error = max_abs_error(*outputs)
         row = {"op": case.name, "shape": case.shape, "kernel_ms": kernel_ms, "max_abs_err_vs_reference": error,
                "baselines_ms": {label: time_ms(fn, not cuda) for label, fn in case.baselines.items()}}
         if case.bytes_moved:

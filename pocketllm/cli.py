@@ -65,8 +65,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
-    path = write_checkpoint(args.directory, args.preset, seed=args.seed)
-    print(f"wrote {args.preset!r} checkpoint (seed {args.seed}) to {path}")
+    path = write_checkpoint(args.directory, args.preset, seed=args.seed, multimodal=args.multimodal)
+    layout = " in the multimodal layout" if args.multimodal else ""
+    print(f"wrote {args.preset!r} checkpoint (seed {args.seed}){layout} to {path}")
     return 0
 
 
@@ -94,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     make = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint in Hugging Face format")
     make.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--multimodal", action="store_true",
+                      help="Qwen3.5 presets: write the Qwen3_5ForConditionalGeneration layout")
     make.add_argument("directory", help="output directory")
     make.set_defaults(func=cmd_make_checkpoint)
     return parser
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
+    except (ValueError, TypeError, FileNotFoundError) as exc:  # CheckpointError is a ValueError
         print(f"pocketllm {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

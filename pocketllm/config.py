@@ -86,10 +86,22 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
+    # Hybrid models (Qwen3.5): which layers are "linear_attention" (Gated DeltaNet) and their sizes.
+    layer_types: tuple[str, ...] = ()
+    partial_rotary_factor: float = 1.0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
 
     @property
     def num_query_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
@@ -107,6 +119,10 @@ class ModelConfig:
                   source: str = "config.json") -> "ModelConfig":
         architectures = raw.get("architectures") or []
         architecture = architectures[0] if architectures else raw.get("model_type", "<missing>")
+        if isinstance(raw.get("text_config"), dict):  # multimodal layout: the language model's fields are nested
+            text = raw["text_config"]
+            raw = {**text, "tie_word_embeddings": raw.get("tie_word_embeddings", text.get("tie_word_embeddings")),
+                   "eos_token_id": text.get("eos_token_id", raw.get("eos_token_id"))}
 
         def need(key: str) -> Any:
             if key not in raw:
@@ -124,28 +140,45 @@ class ModelConfig:
         kv_heads = raw.get("num_key_value_heads") or heads
         if heads % kv_heads:
             raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        hybrid = architecture.startswith("Qwen3_5")
+        layers = need("num_hidden_layers")
+        layer_types = tuple(raw.get("layer_types") or (
+            ["linear_attention" if (i + 1) % raw.get("full_attention_interval", 4) else "full_attention"
+             for i in range(layers)] if hybrid else ["full_attention"] * layers))
+        if len(layer_types) != layers or set(layer_types) - {"full_attention", "linear_attention"}:
+            raise ValueError(f"{source}: layer_types must list 'full_attention'/'linear_attention' for each of "
+                             f"the {layers} layers, got {list(layer_types)}")
         return cls(
             architecture=architecture,
             vocab_size=need("vocab_size"),
             hidden_size=need("hidden_size"),
             intermediate_size=need("intermediate_size"),
-            num_hidden_layers=need("num_hidden_layers"),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=_head_dim(raw, heads),
+            head_dim=_head_dim(raw, heads, default=256 if hybrid else 128),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
             eos_token_ids=_eos_ids(raw, generation or {}),
+            layer_types=layer_types,
+            partial_rotary_factor=float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor",
+                                                                                 0.25 if hybrid else 1.0))),
+            linear_num_key_heads=int(raw.get("linear_num_key_heads", 0)),
+            linear_num_value_heads=int(raw.get("linear_num_value_heads", 0)),
+            linear_key_head_dim=int(raw.get("linear_key_head_dim", 0)),
+            linear_value_head_dim=int(raw.get("linear_value_head_dim", 0)),
+            linear_conv_kernel_dim=int(raw.get("linear_conv_kernel_dim", 4)),
         )
 
 
-def _head_dim(raw: dict[str, Any], heads: int) -> int:
-    """Qwen3Config's default: 128 when the field is absent; hidden_size / heads when it is null."""
+def _head_dim(raw: dict[str, Any], heads: int, default: int) -> int:
+    """The config class's default (Qwen3: 128, Qwen3.5: 256) when the field is absent;
+    hidden_size / heads when it is null."""
     if "head_dim" not in raw:
-        return 128
+        return default
     return raw["head_dim"] or raw["hidden_size"] // heads
 
 

@@ -43,13 +43,13 @@ class LLM:
         self.ops = get_ops(args.backend, args.backend_options["batch_invariant"])
         self.model = build_model(args.model, self.model_config, self.ops, args.torch_dtype, self.device,
                                  args.max_seq_len)
-        cfg = self.model_config
-        self.cache = SlotCache(args.max_batch_size, args.max_seq_len, cfg.num_hidden_layers,
-                               cfg.num_key_value_heads, cfg.head_dim, args.torch_dtype, self.device)
+        self.cache = SlotCache(args.max_batch_size, args.max_seq_len, self.model.cache_specs(), args.torch_dtype,
+                               self.device)
         self.runner = ModelRunner(self.model, self.cache, self.ops, self.device)
         self._ids = itertools.count()
         self.scheduler: BatchScheduler | None = None
         if args.backend_options["enable_batching"]:
+            cfg = self.model_config
             self.scheduler = BatchScheduler(self.runner, self.cache, cfg.vocab_size, args.max_seq_len,
                                             cfg.eos_token_ids, args.backend_options["background_thread"],
                                             request_ids=self._ids)

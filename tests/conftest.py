@@ -28,15 +28,33 @@ CHECKPOINT_VARIANTS = {
 }
 
 
+# Qwen3.5 hybrids: both checkpoint layouts, different layer counts and head layouts.
+QWEN3_5_VARIANTS = {
+    "qwen3.5": {"preset": "qwen3.5-tiny"},
+    "qwen3.5_mm_untied": {"preset": "qwen3.5-tiny", "multimodal": True, "tie_word_embeddings": False,
+                          "num_hidden_layers": 6, "linear_num_key_heads": 1, "linear_num_value_heads": 3,
+                          "linear_key_head_dim": 24, "linear_value_head_dim": 8,
+                          "layer_types": ["linear_attention", "full_attention", "linear_attention",
+                                          "linear_attention", "linear_attention", "full_attention"]},
+    "qwen3.5_mha": {"preset": "qwen3.5-tiny", "num_hidden_layers": 2, "num_attention_heads": 2,
+                    "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 4, "linear_num_value_heads": 4,
+                    "linear_key_head_dim": 8, "linear_value_head_dim": 32, "layer_types": ["linear_attention",
+                                                                                      "full_attention"]},
+}
+
+
 @pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
-    """Factory: variant name -> path of its checkpoint, written on first use."""
+    """Factory: variant name (CHECKPOINT_VARIANTS or QWEN3_5_VARIANTS) -> path of its checkpoint,
+    written on first use."""
     written: dict[str, Path] = {}
 
     def make(variant: str = "tiny") -> Path:
         if variant not in written:
             path = tmp_path_factory.mktemp(f"ckpt_{variant}")
-            written[variant] = write_checkpoint(path, "tiny", seed=len(written) + 1, **CHECKPOINT_VARIANTS[variant])
+            overrides = dict({**CHECKPOINT_VARIANTS, **QWEN3_5_VARIANTS}[variant])
+            preset = overrides.pop("preset", "tiny")
+            written[variant] = write_checkpoint(path, preset, seed=len(written) + 1, **overrides)
         return written[variant]
 
     return make

@@ -13,10 +13,12 @@ from typing import Callable
 from . import _triton  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
 from .activation import silu_and_mul_ref
 from .attention import decode_attention_ref, prefill_attention_ref
+from .conv1d import causal_conv1d_decode_ref, causal_conv1d_prefill_ref
 from .embedding import embedding_ref
+from .gated_delta import gated_delta_decode_ref, gated_delta_prefill_ref
 from .kv_write import rope_write_kv_ref
 from .linear import linear_ref, linear_row_invariant
-from .rmsnorm import rms_norm_ref
+from .rmsnorm import rms_norm_gated_ref, rms_norm_ref
 from .sampling import sample_ref
 
 
@@ -32,6 +34,12 @@ class Ops:
     silu_and_mul: Callable
     linear: Callable
     sample: Callable
+    # Gated DeltaNet layers (Qwen3.5)
+    conv1d_prefill: Callable
+    conv1d_decode: Callable
+    gated_delta_prefill: Callable
+    gated_delta_decode: Callable
+    rms_norm_gated: Callable
 
 
 def torch_ops(batch_invariant: bool = True) -> Ops:
@@ -46,6 +54,11 @@ def torch_ops(batch_invariant: bool = True) -> Ops:
         silu_and_mul=silu_and_mul_ref,
         linear=linear_row_invariant if batch_invariant else linear_ref,
         sample=sample_ref,
+        conv1d_prefill=causal_conv1d_prefill_ref,
+        conv1d_decode=causal_conv1d_decode_ref,
+        gated_delta_prefill=gated_delta_prefill_ref,
+        gated_delta_decode=gated_delta_decode_ref,
+        rms_norm_gated=rms_norm_gated_ref,
     )
 
 
@@ -55,9 +68,11 @@ def triton_ops() -> Ops:
     has no padding switch. The embedding stays a gather: it does no arithmetic."""
     from .activation import silu_and_mul_triton
     from .attention import decode_attention_triton, prefill_attention_triton
+    from .conv1d import causal_conv1d_decode_triton, causal_conv1d_prefill_triton
+    from .gated_delta import gated_delta_decode_triton, gated_delta_prefill_triton
     from .kv_write import rope_write_kv_triton
     from .linear import linear_triton
-    from .rmsnorm import rms_norm_triton
+    from .rmsnorm import rms_norm_gated_triton, rms_norm_triton
     from .sampling import sample_triton
 
     return Ops(
@@ -69,6 +84,11 @@ def triton_ops() -> Ops:
         silu_and_mul=silu_and_mul_triton,
         linear=linear_triton,
         sample=sample_triton,
+        conv1d_prefill=causal_conv1d_prefill_triton,
+        conv1d_decode=causal_conv1d_decode_triton,
+        gated_delta_prefill=gated_delta_prefill_triton,
+        gated_delta_decode=gated_delta_decode_triton,
+        rms_norm_gated=rms_norm_gated_triton,
     )
 
 

@@ -7,14 +7,15 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import kernel_device_ok, tl, triton
+from .pointwise import elementwise_invariant
 
 BLOCK = 1024
 
 
 def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] (gate first, then up) -> [T, I]."""
+    """[T, 2I] (gate first, then up) -> [T, I]; silu per element, whatever T (see pointwise.py)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return elementwise_invariant(F.silu, gate) * up
 
 
 # -- Triton ------------------------------------------------------------------------------------------

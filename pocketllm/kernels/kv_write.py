@@ -62,14 +62,27 @@ def _rotate_tile(ptr, row_offset, head_stride, dim_stride, heads, HALF: tl.const
 
 
 @triton.jit
+def _copy_dims(src_ptr, src_row, src_sh, src_sd, dst_ptr, dst_row, dst_sh, dst_sd, heads,
+               START: tl.constexpr, COUNT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Copy dims [START, START + COUNT) of one token's [heads, D] rows, cast to dst's dtype."""
+    h = tl.arange(0, BLOCK_H)[:, None].to(tl.int64)
+    n = START + tl.arange(0, BLOCK_N)[None, :].to(tl.int64)
+    mask = (h < heads) & (n < START + COUNT)
+    vals = tl.load(src_ptr + src_row + h * src_sh + n * src_sd, mask=mask)
+    tl.store(dst_ptr + dst_row + h * dst_sh + n * dst_sd, vals.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr,
                           q_out_ptr, k_cache_ptr, v_cache_ptr,
                           q_st, q_sh, q_sd, k_st, k_sh, k_sd, v_st, v_sh, v_sd,
                           cos_sp, cos_sd, sin_sp, sin_sd,
                           kc_ss, kc_sp, kc_sh, kc_sd, vc_ss, vc_sp, vc_sh, vc_sd,
-                          HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-                          BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Program t handles token t: all its q heads, k heads and v heads."""
+                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                          BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                          BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program t handles token t: all its q heads, k heads and v heads. Dims [0, 2 * HALF) rotate,
+    dims [2 * HALF, D) (partial rotary) are copied unchanged."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
@@ -81,54 +94,62 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, slots_ptr, cos_ptr
     s1 = tl.load(sin_ptr + pos * sin_sp + d64 * sin_sd, mask=dmask, other=0.0)
     s2 = tl.load(sin_ptr + pos * sin_sp + (d64 + HALF) * sin_sd, mask=dmask, other=0.0)
 
-    # q -> a contiguous [T, HQ, 2 * HALF] output.
+    # q -> a contiguous [T, HQ, D] output.
     q1, q2, hq, qmask = _rotate_tile(q_ptr, t * q_st, q_sh, q_sd, HQ, HALF, BLOCK_HQ, BLOCK_HALF, c1, s1, c2, s2)
-    q_out = q_out_ptr + t * (HQ * 2 * HALF) + hq[:, None] * (2 * HALF) + d[None, :]
+    q_out = q_out_ptr + t * (HQ * D) + hq[:, None] * D + d[None, :]
     tl.store(q_out, q1, mask=qmask)
     tl.store(q_out + HALF, q2, mask=qmask)
 
     # k -> k_cache[slot, pos] (int64 offsets: slot * slot_stride can pass 2^31).
     k1, k2, hk, kmask = _rotate_tile(k_ptr, t * k_st, k_sh, k_sd, HKV, HALF, BLOCK_HKV, BLOCK_HALF, c1, s1, c2, s2)
-    k_dst = (k_cache_ptr + slot * kc_ss + pos * kc_sp + hk[:, None].to(tl.int64) * kc_sh
-             + d64[None, :] * kc_sd)
+    k_row = slot * kc_ss + pos * kc_sp
+    k_dst = k_cache_ptr + k_row + hk[:, None].to(tl.int64) * kc_sh + d64[None, :] * kc_sd
     tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kmask)
     tl.store(k_dst + HALF * kc_sd, k2.to(k_cache_ptr.dtype.element_ty), mask=kmask)
 
+    if 2 * HALF < D:  # partial rotary: the rest of q and k passes through
+        _copy_dims(q_ptr, t * q_st, q_sh, q_sd, q_out_ptr, t * (HQ * D), D, 1, HQ, 2 * HALF, D - 2 * HALF,
+                   BLOCK_HQ, BLOCK_PASS)
+        _copy_dims(k_ptr, t * k_st, k_sh, k_sd, k_cache_ptr, k_row, kc_sh, kc_sd, HKV, 2 * HALF, D - 2 * HALF,
+                   BLOCK_HKV, BLOCK_PASS)
+
     # v -> v_cache[slot, pos], unrotated.
-    v_src = v_ptr + t * v_st + hk[:, None].to(tl.int64) * v_sh + d64[None, :] * v_sd
-    v_dst = (v_cache_ptr + slot * vc_ss + pos * vc_sp + hk[:, None].to(tl.int64) * vc_sh
-             + d64[None, :] * vc_sd)
-    tl.store(v_dst, tl.load(v_src, mask=kmask).to(v_cache_ptr.dtype.element_ty), mask=kmask)
-    tl.store(v_dst + HALF * vc_sd, tl.load(v_src + HALF * v_sd, mask=kmask).to(v_cache_ptr.dtype.element_ty),
-             mask=kmask)
+    _copy_dims(v_ptr, t * v_st, v_sh, v_sd, v_cache_ptr, slot * vc_ss + pos * vc_sp, vc_sh, vc_sd, HKV, 0, D,
+               BLOCK_HKV, BLOCK_D)
 
 
 def rope_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                          cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          token_slots: torch.Tensor) -> torch.Tensor:
     """`rope_write_kv_ref` in one launch: q/k/v [T, heads, D] (any strides), positions/token_slots
-    int64 [T], cos/sin fp32 [P, D], caches [slots, max_seq_len, kv_heads, D]; returns rotated q as a
-    new contiguous [T, q_heads, D] tensor.
+    int64 [T], cos/sin fp32 [P, R] (R even, R <= D: the first R dims of each head rotate, the rest
+    pass through, as partial rotary), caches [slots, max_seq_len, kv_heads, D]; returns rotated q
+    as a new contiguous [T, q_heads, D] tensor.
 
     Invariant by construction: the op is elementwise per (token, head, dim). Program t reads only
     token t's rows, its position's cos/sin row and writes only cache entry (slot[t], pos[t]); the
-    tile shape comes from the head count and head dim (model constants), never from T. Each
-    product and sum is rounded to x's dtype in the reference's order and FMA contraction is off,
-    so fp32 results are bitwise the reference's and 16-bit results round each step as torch does.
+    tile shape comes from the head count, head dim and rotary width (model constants), never from
+    T. Each product and sum is rounded to x's dtype in the reference's order and FMA contraction
+    is off, so fp32 results are bitwise the reference's and 16-bit results round each step as
+    torch does; pass-through dims are copied.
     """
     kernel_device_ok(q)
     tokens, q_heads, dim = q.shape
     kv_heads = k.shape[1]
-    if dim % 2 or k.shape != (tokens, kv_heads, dim) or v.shape != (tokens, kv_heads, dim):
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need [T, heads, even D]")
+    rotary = cos.shape[-1]
+    if k.shape != (tokens, kv_heads, dim) or v.shape != (tokens, kv_heads, dim):
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need [T, heads, D]")
+    if rotary % 2 or rotary > dim or sin.shape[-1] != rotary:
+        raise ValueError(f"cos/sin widths {rotary}, {sin.shape[-1]}: need one even rotary width <= D = {dim}")
     out = torch.empty((tokens, q_heads, dim), dtype=q.dtype, device=q.device)
     if tokens == 0:
         return out
-    half = dim // 2
+    half = rotary // 2
     _rope_write_kv_kernel[(tokens,)](
         q, k, v, positions, token_slots, cos, sin, out, k_cache, v_cache,
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(), *k_cache.stride(), *v_cache.stride(),
-        HQ=q_heads, HKV=kv_heads, HALF=half, BLOCK_HQ=triton.next_power_of_2(q_heads),
+        HQ=q_heads, HKV=kv_heads, D=dim, HALF=half, BLOCK_HQ=triton.next_power_of_2(q_heads),
         BLOCK_HKV=triton.next_power_of_2(kv_heads), BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_PASS=triton.next_power_of_2(max(dim - rotary, 1)), BLOCK_D=triton.next_power_of_2(dim),
         enable_fp_fusion=False)
     return out

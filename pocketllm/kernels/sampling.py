@@ -15,6 +15,7 @@ top-k / top-p as thresholds found by a search over sort keys instead of a sort.
 import torch
 
 from ._triton import kernel_device_ok, tl, triton
+from .pointwise import elementwise_invariant
 
 MASK32 = 0xFFFFFFFF
 _MUL_A = 0x7FEB352D
@@ -78,7 +79,8 @@ def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     sampled_rows = temperature > 0
     if bool(sampled_rows.any()):
         scaled = logits / torch.where(sampled_rows, temperature, 1.0)[:, None]
-        gumbel = -torch.log(-torch.log(uniform_noise(seeds, positions, logits.shape[-1])))
+        gumbel = -elementwise_invariant(torch.log, -elementwise_invariant(torch.log, uniform_noise(
+            seeds, positions, logits.shape[-1])))
         if bool(((top_k > 0) | (top_p < 1.0)).any()):
             scaled = scaled.masked_fill(~allowed_mask(scaled, top_k, top_p), float("-inf"))
         tokens = torch.where(sampled_rows, (scaled + gumbel).argmax(dim=-1), tokens)

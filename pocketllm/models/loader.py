@@ -7,6 +7,7 @@ tensor. Pickled formats (.bin, .pt, .pth) are refused, never loaded: unpickling 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Callable
 
@@ -16,6 +17,8 @@ from safetensors import safe_open
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -54,11 +57,13 @@ def load_weights(path: str | Path, expected: dict[str, tuple[int, ...]], dtype: 
     """
     path = Path(path)
     weights: dict[str, torch.Tensor] = {}
+    skipped: list[str] = []
     files = checkpoint_files(path)
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in handle.keys():
                 if skip(name):
+                    skipped.append(name)
                     continue
                 if name in weights:
                     raise CheckpointError(f"{file.name}: tensor {name!r} is also in an earlier shard")
@@ -70,6 +75,8 @@ def load_weights(path: str | Path, expected: dict[str, tuple[int, ...]], dtype: 
                         f"{file.name}: tensor {name!r} has shape {list(shape)}, expected {list(expected[name])}"
                     )
                 weights[name] = handle.get_tensor(name).to(device=device, dtype=dtype)
+    if skipped:
+        logger.info("%s: skipped %d tensors that pocketllm does not run (e.g. %s)", path, len(skipped), skipped[0])
     missing = [name for name in expected if name not in weights]
     if missing:
         shown = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import SlotCache
+from ..cache import AttentionCacheSpec, SlotCache
 from ..config import ModelConfig
 from ..kernels import Ops
 from ..kernels.rope import rope_table
@@ -93,6 +93,10 @@ class Qwen3Model:
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
+
+    def cache_specs(self) -> list[AttentionCacheSpec]:
+        """What each layer keeps per slot: K/V for every layer."""
+        return [AttentionCacheSpec(self.cfg.num_key_value_heads, self.cfg.head_dim)] * self.cfg.num_hidden_layers
 
     def forward(self, batch: ForwardBatch, cache: SlotCache) -> torch.Tensor:
         """-> fp32 logits [B, vocab]."""

@@ -17,7 +17,8 @@ def test_kernel_bench_smoke_writes_report(tmp_path):
     report = json.loads((tmp_path / "kernels.json").read_text())
     ops = {row["op"].split()[0] for row in report["rows"]}
     assert ops == {"decode_attention", "prefill_attention", "linear", "rms_norm", "silu_and_mul", "rope_write_kv",
-                   "sample"}
+                   "sample", "conv1d_prefill", "conv1d_decode", "gated_delta_prefill", "gated_delta_decode",
+                   "rms_norm_gated"}
     assert report["interpreted"] is True
     for row in report["rows"]:
         assert row["kernel_ms"] > 0

@@ -111,7 +111,7 @@ def mismatches(engines: Engines, workload: list[Job], max_batch_size: int) -> li
     return found
 
 
-@pytest.fixture(scope="module", params=["tiny", "untied_gqa4_bias"])
+@pytest.fixture(scope="module", params=["tiny", "untied_gqa4_bias", "qwen3.5", "qwen3.5_mm_untied"])
 def engines(request, checkpoint_dir):
     engines = Engines(checkpoint_dir(request.param))
     yield engines

@@ -92,6 +92,32 @@ def test_rope_write_kv_matches_reference(tokens, heads, kv_heads, head_dim, dtyp
     assert not torch.equal(kc[~untouched], k_cache[~untouched])  # the written entries did change
 
 
+# (tokens, q heads, kv heads, head dim, rotary width): partial rotary, as in Qwen3.5.
+PARTIAL_ROPE_CASES = [(5, 4, 2, 64, 16), (17, 2, 1, 256, 64), (3, 3, 3, 32, 8), (2, 2, 2, 24, 22)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim,rotary", PARTIAL_ROPE_CASES)
+def test_rope_write_kv_partial_rotary_matches_reference(tokens, heads, kv_heads, head_dim, rotary, dtype):
+    """Tables of width R < D: only the first R dims of each q/k head rotate, the rest (and v)
+    pass through; q and the written K/V equal the reference (fp32 bitwise, fp16 within
+    tolerance) and the pass-through dims are the inputs' bits."""
+    case = list(_rope_case(tokens, heads, kv_heads, head_dim, dtype, seed=tokens * 100 + rotary))
+    case[4], case[5] = rope_table(rotary, case[6].shape[1], 1_000_000.0)
+    (out, kc, vc), (ref, kr, vr) = _run_both(case)
+    assert out.shape == ref.shape and out.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.equal(out, ref) and torch.equal(kc, kr) and torch.equal(vc, vr)
+    else:
+        assert_close(out, ref)
+        assert_close(kc, kr)
+        assert_close(vc, vr)
+    q, k, positions, token_slots = case[0], case[1], case[3], case[8]
+    assert torch.equal(out[..., rotary:], q[..., rotary:])
+    assert torch.equal(kc[token_slots, positions][..., rotary:], k[..., rotary:])
+    assert not torch.equal(out[..., :rotary], q[..., :rotary])  # the rotary dims did rotate
+
+
 def test_rope_write_kv_token_alone_equals_token_in_batch():
     """Each token rotated and written alone gives bitwise the same q row and cache entries as
     inside a batch of 6 (fp16)."""
@@ -323,6 +349,23 @@ def test_gpu_rope_write_kv_matches_reference(tokens):
             untouched = torch.ones(case[6].shape[:2], dtype=torch.bool, device="cuda")
             untouched[case[8], case[3]] = False
             assert torch.equal(kc[untouched], case[6][untouched]) and torch.equal(vc[untouched], case[7][untouched])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_rope_write_kv_partial_rotary_matches_reference():
+    """Qwen3.5 attention shapes (Hq=16, Hkv=2, D=256, R=64), 4096 tokens: q and the caches match
+    the reference, bitwise in fp32 and within tolerance in bf16."""
+    for dtype in (torch.bfloat16, torch.float32):
+        case = list(_rope_case(4096, 16, 2, 256, dtype, seed=3, device="cuda", slots=16, max_len=4096))
+        case[4], case[5] = rope_table(64, 4096, 10_000_000.0, device="cuda")
+        (out, kc, vc), (ref, kr, vr) = _run_both(case)
+        if dtype == torch.float32:
+            assert torch.equal(out, ref) and torch.equal(kc, kr) and torch.equal(vc, vr)
+        else:
+            assert_close(out, ref)
+            assert_close(kc, kr)
+            assert_close(vc, vr)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,236 @@
+"""Depthwise causal conv1d with SiLU, over slotted conv states (Gated DeltaNet layers).
+
+Each output is silu(sum_j w[c, j] * x[t - K + 1 + j, c]) with the K taps summed in a fixed
+order in fp32, so a token's output depends only on its own K inputs: the same whichever batch it
+is in and however its prompt was split. The slot's conv state holds the last K - 1 inputs of its
+sequence (zeros for a new request), which precede the first new token.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .pointwise import elementwise_invariant
+
+from ._triton import kernel_device_ok, tl, triton
+
+
+def _conv_window(window: torch.Tensor, weight: torch.Tensor, steps: int) -> torch.Tensor:
+    """window [steps + K - 1, C] (fp32), weight [C, K] -> silu(conv) [steps, C] fp32."""
+    kernel = weight.shape[1]
+    w = weight.float()
+    acc = window[0:steps] * w[:, 0]
+    for j in range(1, kernel):
+        acc = acc + window[j:j + steps] * w[:, j]
+    return elementwise_invariant(F.silu, acc)
+
+
+def causal_conv1d_prefill_ref(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
+                              slot_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """x [T, C] (sequences concatenated), weight [C, K], conv_states [slots, C, K - 1] (updated in
+    place to each sequence's last K - 1 inputs) -> [T, C] in x's dtype."""
+    out = torch.empty_like(x)
+    bounds = cu_seqlens.tolist()
+    for i, slot in enumerate(slot_ids.tolist()):
+        lo, hi = bounds[i], bounds[i + 1]
+        window = torch.cat([conv_states[slot].T.float(), x[lo:hi].float()])
+        out[lo:hi] = _conv_window(window, weight, hi - lo).to(x.dtype)
+        conv_states[slot] = window[-(weight.shape[1] - 1):].T.to(conv_states.dtype)
+    return out
+
+
+def causal_conv1d_decode_ref(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
+                             slot_ids: torch.Tensor) -> torch.Tensor:
+    """One new input per sequence: x [B, C] -> [B, C]; the slots' states shift by one."""
+    windows = torch.cat([conv_states[slot_ids].float(), x.float()[:, :, None]], dim=-1)  # [B, C, K]
+    w = weight.float()
+    acc = windows[:, :, 0] * w[:, 0]
+    for j in range(1, weight.shape[1]):
+        acc = acc + windows[:, :, j] * w[:, j]
+    conv_states[slot_ids] = windows[:, :, 1:].to(conv_states.dtype)
+    return elementwise_invariant(F.silu, acc).to(x.dtype)
+
+
+# -- Triton ------------------------------------------------------------------------------------------
+
+BLOCK_T = 16  # prefill tokens per program
+BLOCK_C = 128  # channels per program (prefill tile [BLOCK_T, BLOCK_C])
+BLOCK_C_STATE = 256  # channels per program of the state-update and decode kernels
+
+
+@triton.jit
+def _prefill_tap(x_ptr, state_ptr, w_ptr, t, c, lo, slot, mask, c_ok, x_st, x_sc, w_sc, w_sk, s_ss, s_sc, s_sk,
+                 j: tl.constexpr, K: tl.constexpr):
+    """Tap j of tokens t: input t - K + 1 + j (from x, or from the slot's state before the
+    sequence start lo) times w[:, j], in fp32."""
+    src = t - (K - 1) + j
+    in_x = (src >= lo)[:, None]
+    xv = tl.load(x_ptr + src[:, None] * x_st + c[None, :] * x_sc, mask=mask & in_x, other=0.0)
+    col = (t - lo + j)[:, None]  # the state column holding input src when src < lo
+    sv = tl.load(state_ptr + slot[:, None] * s_ss + c[None, :] * s_sc + col * s_sk, mask=mask & ~in_x, other=0.0)
+    w = tl.load(w_ptr + c * w_sc + j * w_sk, mask=c_ok, other=0.0).to(tl.float32)
+    return tl.where(in_x, xv.to(tl.float32), sv.to(tl.float32)) * w[None, :]
+
+
+@triton.jit
+def _conv_prefill_kernel(x_ptr, w_ptr, state_ptr, slots_ptr, cu_ptr, seq_ptr, out_ptr, T, C,
+                         x_st, x_sc, w_sc, w_sk, s_ss, s_sc, s_sk,
+                         K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (i, j): tokens [i * BLOCK_T, (i + 1) * BLOCK_T) x channels of block j; each token
+    row looks up its own sequence, so a tile may straddle sequences."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    t_ok = t < T
+    c_ok = c < C
+    mask = t_ok[:, None] & c_ok[None, :]
+    seq = tl.load(seq_ptr + t, mask=t_ok, other=0)
+    lo = tl.load(cu_ptr + seq, mask=t_ok, other=0).to(tl.int64)
+    slot = tl.load(slots_ptr + seq, mask=t_ok, other=0).to(tl.int64)
+    # The reference's order: acc = tap 0, then acc = acc + tap j (no FMA: launched without fusion).
+    acc = _prefill_tap(x_ptr, state_ptr, w_ptr, t, c, lo, slot, mask, c_ok, x_st, x_sc, w_sc, w_sk,
+                       s_ss, s_sc, s_sk, 0, K)
+    for j in tl.static_range(1, K):
+        acc = acc + _prefill_tap(x_ptr, state_ptr, w_ptr, t, c, lo, slot, mask, c_ok, x_st, x_sc, w_sc, w_sk,
+                                 s_ss, s_sc, s_sk, j, K)
+    out = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + t[:, None] * C + c[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _state_input(x_ptr, state_ptr, i, hi, lo, slot, c, c_ok, x_st, x_sc, s_ss, s_sc, s_sk, K: tl.constexpr):
+    """Input hi - K + 1 + i of the sequence [lo, hi) (from x, or from the old state when the
+    sequence is shorter than K - 1), as fp32 channels c."""
+    pos = hi - (K - 1) + i + 0 * c  # a vector: the interpreter rejects tensor & scalar masks
+    in_x = pos >= lo
+    xv = tl.load(x_ptr + pos * x_st + c * x_sc, mask=c_ok & in_x, other=0.0)
+    sv = tl.load(state_ptr + slot * s_ss + c * s_sc + (hi - lo + i) * s_sk, mask=c_ok & ~in_x, other=0.0)
+    return tl.where(in_x, xv.to(tl.float32), sv.to(tl.float32))
+
+
+@triton.jit
+def _conv_state_kernel(x_ptr, state_ptr, slots_ptr, cu_ptr, C, x_st, x_sc, s_ss, s_sc, s_sk,
+                       K: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (b, j): sequence b's slot state, channel block j <- its last K - 1 inputs. All the
+    old values are read before the barrier, then the new ones are written."""
+    b = tl.program_id(0)
+    c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    lo = tl.load(cu_ptr + b).to(tl.int64)
+    hi = tl.load(cu_ptr + b + 1).to(tl.int64)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    dst = state_ptr + slot * s_ss + c * s_sc
+    # K - 1 <= 3 columns, unrolled into separate vectors (K is at least 2).
+    v0 = _state_input(x_ptr, state_ptr, 0, hi, lo, slot, c, c_ok, x_st, x_sc, s_ss, s_sc, s_sk, K)
+    if K > 2:
+        v1 = _state_input(x_ptr, state_ptr, 1, hi, lo, slot, c, c_ok, x_st, x_sc, s_ss, s_sc, s_sk, K)
+    if K > 3:
+        v2 = _state_input(x_ptr, state_ptr, 2, hi, lo, slot, c, c_ok, x_st, x_sc, s_ss, s_sc, s_sk, K)
+    tl.debug_barrier()
+    tl.store(dst, v0.to(state_ptr.dtype.element_ty), mask=c_ok)
+    if K > 2:
+        tl.store(dst + s_sk, v1.to(state_ptr.dtype.element_ty), mask=c_ok)
+    if K > 3:
+        tl.store(dst + 2 * s_sk, v2.to(state_ptr.dtype.element_ty), mask=c_ok)
+
+
+def _check_conv_args(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor) -> int:
+    """The kernel width K, after checking the shapes agree."""
+    channels, kernel = weight.shape
+    if not 2 <= kernel <= 4:
+        raise ValueError(f"kernel width {kernel} unsupported (2..4)")
+    if x.dim() != 2 or x.shape[1] != channels or conv_states.dim() != 3 or \
+            conv_states.shape[1:] != (channels, kernel - 1):
+        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, conv_states "
+                         f"{tuple(conv_states.shape)}: need [T, C], [C, K], [slots, C, K - 1]")
+    return kernel
+
+
+def causal_conv1d_prefill_triton(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
+                                 slot_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """`causal_conv1d_prefill_ref` in two launches: x [T, C] (any strides), weight [C, K] (K in
+    2..4), conv_states [slots, C, K - 1] (updated in place), slot_ids [B] (distinct), cu_seqlens
+    [B + 1] -> a new contiguous [T, C] in x's dtype.
+
+    Invariant by construction: the grid is (fixed [BLOCK_T, BLOCK_C] tiles of tokens x channels);
+    each output element reads exactly its own K inputs (from x, or from its slot's state before
+    the sequence start) and sums the K fp32 products in the reference's order without FMA, so
+    its bits do not depend on the batch, the tile it falls in or where the prompt was split. The
+    first launch only reads the states; the second writes each slot's new state from its
+    sequence's last K - 1 inputs (and old state entries when the sequence is shorter), so no
+    output ever sees a state written by the same call.
+    """
+    kernel_device_ok(x)
+    kernel = _check_conv_args(x, weight, conv_states)
+    tokens, channels = x.shape
+    out = torch.empty((tokens, channels), dtype=x.dtype, device=x.device)
+    batch = slot_ids.shape[0]
+    if batch == 0 or channels == 0:
+        return out
+    cu_seqlens = cu_seqlens.contiguous()
+    strides = (*x.stride(), *weight.stride(), *conv_states.stride())
+    if tokens > 0:
+        # Token -> sequence map, on the device (no host sync): the number of sequence ends <= t.
+        seq_of = torch.searchsorted(cu_seqlens[1:], torch.arange(tokens, dtype=cu_seqlens.dtype, device=x.device),
+                                    right=True)
+        _conv_prefill_kernel[(triton.cdiv(tokens, BLOCK_T), triton.cdiv(channels, BLOCK_C))](
+            x, weight, conv_states, slot_ids, cu_seqlens, seq_of, out, tokens, channels, *strides,
+            K=kernel, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, enable_fp_fusion=False)
+    _conv_state_kernel[(batch, triton.cdiv(channels, BLOCK_C_STATE))](
+        x, conv_states, slot_ids, cu_seqlens, channels, *x.stride(), *conv_states.stride(),
+        K=kernel, BLOCK_C=BLOCK_C_STATE)
+    return out
+
+
+@triton.jit
+def _conv_decode_kernel(x_ptr, w_ptr, state_ptr, slots_ptr, out_ptr, C, x_sb, x_sc, w_sc, w_sk, s_ss, s_sc, s_sk,
+                        K: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (b, j): row b, channel block j. Reads the slot's K - 1 state columns and the new
+    input, writes the output, then (after a barrier) the state shifted by one."""
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    src = state_ptr + slot * s_ss + c * s_sc
+    x = tl.load(x_ptr + b * x_sb + c * x_sc, mask=c_ok, other=0.0).to(tl.float32)
+    # Window [s0, (s1, (s2,)) x], summed as the reference: acc = v0 * w0, then acc = acc + vj * wj.
+    s0 = tl.load(src, mask=c_ok, other=0.0).to(tl.float32)
+    acc = s0 * tl.load(w_ptr + c * w_sc, mask=c_ok, other=0.0).to(tl.float32)
+    if K > 2:
+        s1 = tl.load(src + s_sk, mask=c_ok, other=0.0).to(tl.float32)
+        acc = acc + s1 * tl.load(w_ptr + c * w_sc + w_sk, mask=c_ok, other=0.0).to(tl.float32)
+    if K > 3:
+        s2 = tl.load(src + 2 * s_sk, mask=c_ok, other=0.0).to(tl.float32)
+        acc = acc + s2 * tl.load(w_ptr + c * w_sc + 2 * w_sk, mask=c_ok, other=0.0).to(tl.float32)
+    acc = acc + x * tl.load(w_ptr + c * w_sc + (K - 1) * w_sk, mask=c_ok, other=0.0).to(tl.float32)
+    out = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + b * C + c, out.to(out_ptr.dtype.element_ty), mask=c_ok)
+    tl.debug_barrier()
+    if K == 2:
+        tl.store(src, x.to(state_ptr.dtype.element_ty), mask=c_ok)
+    if K == 3:
+        tl.store(src, s1.to(state_ptr.dtype.element_ty), mask=c_ok)
+        tl.store(src + s_sk, x.to(state_ptr.dtype.element_ty), mask=c_ok)
+    if K == 4:
+        tl.store(src, s1.to(state_ptr.dtype.element_ty), mask=c_ok)
+        tl.store(src + s_sk, s2.to(state_ptr.dtype.element_ty), mask=c_ok)
+        tl.store(src + 2 * s_sk, x.to(state_ptr.dtype.element_ty), mask=c_ok)
+
+
+def causal_conv1d_decode_triton(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
+                                slot_ids: torch.Tensor) -> torch.Tensor:
+    """`causal_conv1d_decode_ref` in one launch: x [B, C] (any strides), one new input per
+    sequence, slot_ids [B] (distinct); conv_states shift by one in place -> a new contiguous [B, C].
+
+    Invariant by construction: grid (row, fixed BLOCK_C_STATE channel block); row b reads only its
+    own input and its slot's state and sums the K taps in the same order and fp32 operations as
+    the prefill kernel, so decoding a token gives the bits prefilling it would.
+    """
+    kernel_device_ok(x)
+    kernel = _check_conv_args(x, weight, conv_states)
+    batch, channels = x.shape
+    out = torch.empty((batch, channels), dtype=x.dtype, device=x.device)
+    if batch == 0 or channels == 0:
+        return out
+    _conv_decode_kernel[(batch, triton.cdiv(channels, BLOCK_C_STATE))](
+        x, weight, conv_states, slot_ids, out, channels, *x.stride(), *weight.stride(), *conv_states.stride(),
+        K=kernel, BLOCK_C=BLOCK_C_STATE, enable_fp_fusion=False)
+    return out
