@@ -52,7 +52,7 @@ class LLM:
             cfg = self.model_config
             self.scheduler = BatchScheduler(self.runner, self.cache, cfg.vocab_size, args.max_seq_len,
                                             cfg.eos_token_ids, args.backend_options["background_thread"],
-                                            request_ids=self._ids)
+                                            args.backend_options["record_timeline"], request_ids=self._ids)
             weakref.finalize(self, self.scheduler.stop)
         self.capabilities = Capabilities(self.scheduler is not None, args.backend, args.max_batch_size,
                                          args.max_seq_len)

@@ -3,5 +3,6 @@
 from .batch_scheduler import BatchScheduler
 from .request import Request, RequestStatus, validate_prompt
 from .stats import SchedulerStats
+from .timeline import SlotEvent, plot_timeline
 
-__all__ = ["BatchScheduler", "Request", "RequestStatus", "SchedulerStats", "validate_prompt"]
+__all__ = ["BatchScheduler", "Request", "RequestStatus", "SchedulerStats", "SlotEvent", "plot_timeline", "validate_prompt"]

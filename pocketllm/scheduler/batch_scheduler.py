@@ -29,6 +29,7 @@ from ..runner import ModelRunner
 from ..sampling import SamplingParams
 from .request import Request, RequestStatus, validate_prompt
 from .stats import SchedulerStats
+from .timeline import SlotEvent
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ Callback = Callable[[GenerationResult], None]
 
 class BatchScheduler:
     def __init__(self, runner: ModelRunner, cache: SlotCache, vocab_size: int, max_seq_len: int,
-                 eos_token_ids: tuple[int, ...] = (), background_thread: bool = True,
+                 eos_token_ids: tuple[int, ...] = (), background_thread: bool = True, record_timeline: bool = False,
                  request_ids: Iterator[int] | None = None) -> None:
         self.runner = runner
         self.cache = cache
@@ -59,6 +60,9 @@ class BatchScheduler:
         self._ttfts: list[float] = []
         self._totals: list[float] = []
         self._busy_time = 0.0
+        self._started = time.perf_counter()
+        # Per-forward slot events, when recording (read it once the work is done).
+        self.timeline: list[SlotEvent] | None = [] if record_timeline else None
         self._thread: threading.Thread | None = None
         if background_thread:
             self._thread = threading.Thread(target=self._loop, name="pocketllm-scheduler", daemon=True)
@@ -208,6 +212,7 @@ class BatchScheduler:
 
     def _run(self, requests: list[Request], inputs: list, is_decode: bool) -> None:
         """One forward; a failure ends every request of the batch with "error", not the loop."""
+        start = time.perf_counter()
         try:
             outputs = self.runner.run(inputs, is_decode)
         except Exception as exc:
@@ -215,6 +220,11 @@ class BatchScheduler:
             for request in requests:
                 request.finish("error", f"{type(exc).__name__}: {exc}")
             return
+        if self.timeline is not None:
+            end, step = time.perf_counter() - self._started, self._counts["steps"]
+            self.timeline.extend(SlotEvent(step, "decode" if is_decode else "prefill", r.slot, r.request_id,
+                                           len(i.token_ids), start - self._started, end)
+                                 for r, i in zip(requests, inputs))
         for request, (token, logprob) in zip(requests, outputs):
             request.append(token, logprob)
 
