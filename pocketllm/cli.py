@@ -1,4 +1,4 @@
-"""`pocketllm` command line: demo, generate, make-checkpoint."""
+"""`pocketllm` command line: demo, generate, make-checkpoint, bench."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def default_cache_dir() -> Path:
 def embedded_checkpoint(preset: str = "tiny", seed: int = 0) -> Path:
     """The demo's checkpoint: written once into the cache directory, reused afterwards."""
     path = default_cache_dir() / f"{preset}-seed{seed}"
-    if not (path / "config.json").is_file():
+    if not all((path / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json")):
         write_checkpoint(path, preset, seed=seed)
     return path
 
@@ -33,32 +33,75 @@ def _token_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--prompt-tokens must be comma-separated ints, got {text!r}") from None
 
 
+DEMO_PROMPTS = ["The quick brown fox", "Once upon a time", "pocketllm", "1, 2, 3,", "Hello, world!",
+                "A slot is a block table with one block", "Bitwise the same", "Qwen"]
+
+
+def _demo_params(count: int) -> list[SamplingParams]:
+    """A mix of greedy and seeded sampling, so the equality check covers the sampler too."""
+    mix = [dict(temperature=0.0), dict(temperature=0.8, seed=1), dict(temperature=1.0, top_k=20, seed=2),
+           dict(temperature=0.7, top_p=0.9, seed=3)]
+    return [SamplingParams(max_tokens=16, ignore_eos=True, **mix[i % len(mix)]) for i in range(count)]
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    """Serial run, then the same requests through the batch scheduler: a table, and the check
+    that every request's tokens and logprobs are bitwise the same in both."""
+    from tqdm import tqdm
+
     path = embedded_checkpoint(args.preset)
-    print(f"checkpoint: {path} (random weights, preset {args.preset!r})")
-    llm = LLM(EngineArgs(model=str(path), max_seq_len=256, backend_options={"max_batch_size": 4}))
-    prompts = [[1, 2, 3], [10, 20, 30, 40, 50], [7], [100, 101, 102, 103, 104, 105, 106]]
-    params = [SamplingParams(max_tokens=12, temperature=0.0), SamplingParams(max_tokens=12, temperature=0.8, seed=1),
-              SamplingParams(max_tokens=12, temperature=1.0, top_k=20, seed=2),
-              SamplingParams(max_tokens=12, temperature=0.7, top_p=0.9, seed=3)]
+    print(f"checkpoint: {path} (random weights, preset {args.preset!r}: expect gibberish text)")
+    params = _demo_params(len(DEMO_PROMPTS))
+    common = dict(model=str(path), max_seq_len=256)
+    serial_llm = LLM(EngineArgs(**common))
     start = time.perf_counter()
-    results = llm.generate(prompt_tokens=prompts, sampling_params=params)
-    elapsed = time.perf_counter() - start
-    print(f"{'id':>3} {'prompt':>7} {'gen':>4} {'finish':>7} {'ttft ms':>8}  tokens")
-    for r in results:
-        print(f"{r.request_id:>3} {len(r.prompt_tokens):>7} {len(r.token_ids):>4} {r.finish_reason:>7} "
-              f"{1000 * r.ttft_s:>8.1f}  {r.token_ids}")
-    generated = sum(len(r.token_ids) for r in results)
-    print(f"{generated} tokens in {elapsed:.2f} s ({generated / elapsed:.1f} tokens/s, backend torch, cpu)")
-    return 0
+    serial = [serial_llm.generate(prompts=p, sampling_params=sp)
+              for p, sp in tqdm(list(zip(DEMO_PROMPTS, params)), desc="serial", unit="req")]
+    serial_s = time.perf_counter() - start
+    with LLM(EngineArgs(**common, backend_options={"enable_batching": True, "max_batch_size": 4})) as llm:
+        bar = tqdm(total=len(DEMO_PROMPTS), desc="batched", unit="req")
+        start = time.perf_counter()
+        ids = [llm.scheduler.submit_request(llm.tokenizer.encode(p, add_special_tokens=False).ids, sp,
+                                            callback=lambda result: bar.update()) for p, sp in zip(DEMO_PROMPTS, params)]
+        batched = [llm.scheduler.poll_result(i, timeout_ms=None) for i in ids]
+        batched_s = time.perf_counter() - start
+        bar.close()
+        stats = llm.scheduler.get_stats()
+    same = [s.token_ids == b.token_ids and s.logprobs == b.logprobs for s, b in zip(serial, batched)]
+    print(f"\n{'prompt':<40} {'sampling':<22} {'ttft ms':>8} {'same':>5}  continuation")
+    for prompt, sp, s, b, ok in zip(DEMO_PROMPTS, params, serial, batched, same):
+        sampling = "greedy" if sp.greedy else f"T={sp.temperature} k={sp.top_k} p={sp.top_p}"
+        print(f"{prompt:<40} {sampling:<22} {1000 * b.ttft_s:>8.1f} {'yes' if ok else 'NO':>5}  {s.text!r:.60}")
+    tokens = sum(len(r.token_ids) for r in serial)
+    print(f"\nserial : {tokens} tokens in {serial_s:.2f} s = {tokens / serial_s:.1f} tokens/s")
+    print(f"batched: {tokens} tokens in {batched_s:.2f} s = {tokens / batched_s:.1f} tokens/s "
+          f"(4 slots; TTFT p50 {1000 * stats.ttft_p50_s:.1f} ms, p99 {1000 * stats.ttft_p99_s:.1f} ms)")
+    print(f"batched == serial, bitwise (tokens and logprobs): {sum(same)}/{len(same)} requests")
+    return 0 if all(same) else 1
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """stdout gets the output in the prompt's form (text for --prompt, token ids for --prompt-tokens);
+    stderr gets the other form, where there is one, and the timings."""
     llm = LLM(EngineArgs(model=args.model, dtype=args.dtype, device=args.device, max_seq_len=args.max_seq_len))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
-    result = llm.generate(prompt_tokens=args.prompt_tokens, sampling_params=params)
-    print(",".join(str(t) for t in result.token_ids))
+    try:
+        if args.prompt is not None:
+            result = llm.generate(prompts=args.prompt, sampling_params=params)
+        else:
+            result = llm.generate(prompt_tokens=args.prompt_tokens, sampling_params=params)
+    except ImportError as exc:  # the tokenizers package is missing: its message says what to install
+        print(f"pocketllm generate: error: {exc}", file=sys.stderr)
+        return 2
+    token_ids = ",".join(str(t) for t in result.token_ids)
+    if args.prompt is not None:
+        print(result.text)
+        print(f"token_ids={token_ids}", file=sys.stderr)
+    else:
+        print(token_ids)
+        if result.text is not None:
+            print(f"text={result.text!r}", file=sys.stderr)
     print(f"finish_reason={result.finish_reason} seed={result.seed} ttft={1000 * result.ttft_s:.1f}ms "
           f"total={1000 * result.total_time_s:.1f}ms", file=sys.stderr)
     return 0 if result.finish_reason in ("stop", "length") else 1
@@ -75,13 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pocketllm", description="A small inference engine for Qwen-family models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="generate from an embedded random-weight checkpoint")
+    demo = sub.add_parser("demo", help="serial and batched generation on an embedded random checkpoint, "
+                                       "with the batched == serial check")
     demo.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     demo.set_defaults(func=cmd_demo)
 
-    gen = sub.add_parser("generate", help="generate token ids from a checkpoint directory")
+    gen = sub.add_parser("generate", help="generate text or token ids from a checkpoint directory")
     gen.add_argument("--model", required=True, help="Hugging Face model directory (config.json + safetensors)")
-    gen.add_argument("--prompt-tokens", required=True, type=_token_list, help="comma-separated token ids, e.g. 1,2,3")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (needs tokenizer.json in the model directory); prints text")
+    prompt.add_argument("--prompt-tokens", type=_token_list, help="comma-separated token ids, e.g. 1,2,3")
     gen.add_argument("--max-tokens", type=int, default=16)
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
@@ -99,10 +145,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Qwen3.5 presets: write the Qwen3_5ForConditionalGeneration layout")
     make.add_argument("directory", help="output directory")
     make.set_defaults(func=cmd_make_checkpoint)
+
+    bench = sub.add_parser("bench", help="throughput and latency benchmark (see `pocketllm bench --help`)",
+                           add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the benchmark owns its arguments, --help included
+        from .benchmark import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

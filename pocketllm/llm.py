@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -17,6 +17,10 @@ from .outputs import GenerationResult
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import BatchScheduler, Request, validate_prompt
+from .tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -30,10 +34,12 @@ class Capabilities:
 
 
 class LLM:
-    """Load a Hugging Face checkpoint directory and generate from token ids.
+    """Load a Hugging Face checkpoint directory and generate from token ids, or from text when
+    the directory has a tokenizer.json (`tokenizer`, loaded when `tokenizers` is installed).
 
     >>> llm = LLM(EngineArgs(model="ckpt", backend_options={"enable_batching": False}))
     >>> llm.generate(prompt_tokens=[1, 2, 3], sampling_params=SamplingParams(max_tokens=8))
+    >>> llm.generate(prompts="Hello", sampling_params=SamplingParams(max_tokens=8)).text
     """
 
     def __init__(self, args: EngineArgs) -> None:
@@ -46,6 +52,7 @@ class LLM:
         self.cache = SlotCache(args.max_batch_size, args.max_seq_len, self.model.cache_specs(), args.torch_dtype,
                                self.device)
         self.runner = ModelRunner(self.model, self.cache, self.ops, self.device)
+        self.tokenizer: Tokenizer | None = load_tokenizer(args.model)
         self._ids = itertools.count()
         self.scheduler: BatchScheduler | None = None
         if args.backend_options["enable_batching"]:
@@ -74,46 +81,73 @@ class LLM:
 
     # -- generation ------------------------------------------------------------------------
 
-    def generate(self, prompt_tokens: Sequence[int] | Sequence[Sequence[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 ) -> GenerationResult | list[GenerationResult]:
-        """One prompt (a list of ints) -> one result; a list of prompts -> a list of results.
+    def generate(self, prompt_tokens: Sequence[int] | Sequence[Sequence[int]] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 prompts: str | Sequence[str] | None = None) -> GenerationResult | list[GenerationResult]:
+        """One prompt -> one result; a list of prompts -> a list of results.
 
+        A prompt is token ids (`prompt_tokens`, a list of ints) or text (`prompts`, a str), not both:
+        text goes through the model directory's tokenizer.json, with no special tokens added. When
+        the model has a tokenizer, each result's `text` is its token_ids decoded.
         `sampling_params` is one SamplingParams for all prompts or a list, one per prompt. Every
         prompt is validated before any is run, so a bad one raises without side effects.
         """
-        single = isinstance(prompt_tokens, Sequence) and len(prompt_tokens) > 0 and not isinstance(
-            prompt_tokens[0], Sequence)
-        prompts = [prompt_tokens] if single else list(prompt_tokens)
-        if not single and not prompts:
-            raise ValueError("prompt_tokens must not be empty")
+        if prompts is not None:
+            if prompt_tokens is not None:
+                raise TypeError("pass either prompts (text) or prompt_tokens (token ids), not both")
+            single = isinstance(prompts, str)
+            token_prompts = self._encode([prompts] if single else prompts)
+        elif prompt_tokens is None:
+            raise TypeError("generate() needs prompt_tokens (token ids) or prompts (text)")
+        elif isinstance(prompt_tokens, str):
+            raise TypeError("prompt_tokens must be a list of ints, got str (text goes in prompts=)")
+        else:
+            single = isinstance(prompt_tokens, Sequence) and len(prompt_tokens) > 0 and not isinstance(
+                prompt_tokens[0], Sequence)
+            token_prompts = [prompt_tokens] if single else list(prompt_tokens)
+            if not token_prompts:
+                raise ValueError("prompt_tokens must not be empty")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
+            params_list = [sampling_params] * len(token_prompts)
         else:
             params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
+            if len(params_list) != len(token_prompts):
+                raise ValueError(f"got {len(params_list)} sampling_params for {len(token_prompts)} prompts")
         if self.scheduler is not None:
-            results = self._run_batched(prompts, params_list)
+            results = self._run_batched(token_prompts, params_list)
         else:
-            results = [self._run_serial(self.make_request(p, sp)) for p, sp in self._validated(prompts, params_list)]
+            results = [self._run_serial(self.make_request(p, sp))
+                       for p, sp in self._validated(token_prompts, params_list)]
+        if self.tokenizer is not None:
+            for result in results:
+                result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return results[0] if single else results
+
+    def _encode(self, prompts: Sequence[str]) -> list[list[int]]:
+        """Check text prompts, then encode them; loading the tokenizer here raises the reason
+        when the model has none (no tokenizer.json, or tokenizers not installed)."""
+        if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a str or a list of str, got {type(prompts).__name__}")
+        if not prompts:
+            raise ValueError("prompts must not be empty")
+        for i, text in enumerate(prompts):
+            if not isinstance(text, str):
+                raise TypeError(f"prompts[{i}] must be a str, got {type(text).__name__}")
+            if not text:
+                raise ValueError(f"prompts[{i}] must not be an empty string")
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.args.model, required=True)
+        return [self.tokenizer.encode(text, add_special_tokens=False).ids for text in prompts]
 
     def _validated(self, prompts: list, params_list: list[SamplingParams]) -> list[tuple[list[int], SamplingParams]]:
         cfg = self.model_config
         return [(validate_prompt(p, sp, cfg.vocab_size, self.args.max_seq_len), sp) for p, sp in zip(prompts, params_list)]
 
     def _run_batched(self, prompts: list, params_list: list[SamplingParams]) -> list[GenerationResult]:
-        """Submit every prompt to the scheduler, then collect the results in order."""
-        scheduler = self.scheduler
-        ids = [scheduler.submit_request(p, sp) for p, sp in self._validated(prompts, params_list)]
-        if self.args.backend_options["background_thread"]:
-            return [scheduler.poll_result(i, timeout_ms=None) for i in ids]
-        while scheduler.has_work:
-            scheduler.step()
-        return [scheduler.poll_result(i) for i in ids]
+        """Through the scheduler, stepped on this thread (see BatchScheduler.generate)."""
+        return self.scheduler.generate(self._validated(prompts, params_list))
 
     def _run_serial(self, request: Request) -> GenerationResult:
         """Prefill, then decode one token at a time, in a slot of the shared cache."""

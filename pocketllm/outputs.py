@@ -13,6 +13,8 @@ class GenerationResult:
 
     finish_reason: "stop" (EOS or a stop token, which is included in token_ids), "length"
     (max_tokens reached), "cancelled" or "error" (see `error`).
+    text: token_ids decoded with special tokens (EOS among them) skipped, filled in by
+    `LLM.generate` when the model directory has a tokenizer; None otherwise.
     """
 
     request_id: int
@@ -24,3 +26,4 @@ class GenerationResult:
     seed: int | None = None
     ttft_s: float | None = None
     total_time_s: float | None = None
+    text: str | None = None

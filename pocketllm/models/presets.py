@@ -1,4 +1,4 @@
-"""Write random-weight checkpoints in Hugging Face format (config.json + safetensors).
+"""Write random-weight checkpoints in Hugging Face format (config.json + safetensors + tokenizer.json).
 
 No model can be downloaded where pocketllm is tested, so the demo, tests and benchmarks run on
 checkpoints written here: deterministic from a seed, loadable by `transformers` as well.
@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
+from ..tokenizer import byte_level_tokenizer_files
 from .registry import ARCHITECTURES
 
 _QWEN3_BASE: dict[str, Any] = {
@@ -114,6 +115,8 @@ def write_checkpoint(path: str | Path, preset: str = "tiny", seed: int = 0, init
     `multimodal=True` (Qwen3.5 presets) writes the Qwen3_5ForConditionalGeneration layout.
     With `max_shard_bytes`, weights are split into model-0000N-of-0000M.safetensors shards with a
     model.safetensors.index.json, as large Hugging Face checkpoints are.
+    A byte-level tokenizer.json and tokenizer_config.json come with it (see pocketllm.tokenizer),
+    unless an override makes vocab_size smaller than the 256 bytes.
     """
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
@@ -128,6 +131,9 @@ def write_checkpoint(path: str | Path, preset: str = "tiny", seed: int = 0, init
         raw, weights = _multimodal(raw, weights)
     (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": raw["eos_token_id"]}, indent=2) + "\n")
+    tokenizer_files = byte_level_tokenizer_files(cfg.vocab_size, cfg.eos_token_ids, cfg.max_position_embeddings)
+    for name, content in (tokenizer_files or {}).items():
+        (path / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     if max_shard_bytes is None:
         save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
         return path

@@ -17,7 +17,7 @@ def test_demo_writes_embedded_checkpoint_once(tmp_path, monkeypatch, capsys):
     config = tmp_path / "tiny-seed0" / "config.json"
     first_write = config.stat().st_mtime_ns
     out = capsys.readouterr().out
-    assert "tokens/s" in out and "length" in out
+    assert "tokens/s" in out and "batched == serial, bitwise (tokens and logprobs): 8/8 requests" in out
     assert main(["demo"]) == 0
     assert config.stat().st_mtime_ns == first_write
 
@@ -52,3 +52,16 @@ def test_prompt_tokens_must_be_ints(tiny_checkpoint, capsys):
         main(["generate", "--model", str(tiny_checkpoint), "--prompt-tokens", "a,b"])
     assert exit_info.value.code == 2
     assert "comma-separated ints" in capsys.readouterr().err
+
+
+def test_help_lists_every_subcommand_and_bench_has_its_own(capsys):
+    """`pocketllm --help` names the four subcommands; `pocketllm bench --help` is the benchmark's."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("demo", "generate", "make-checkpoint", "bench"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    assert "--quick" in capsys.readouterr().out
