@@ -11,6 +11,7 @@ from pathlib import Path
 from .config import DTYPES, EngineArgs
 from .llm import LLM
 from .models import PRESETS, write_checkpoint
+from .outputs import GenerationResult
 from .sampling import SamplingParams
 
 
@@ -44,6 +45,20 @@ def _demo_params(count: int) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=16, ignore_eos=True, **mix[i % len(mix)]) for i in range(count)]
 
 
+def _demo_encode(llm: LLM, text: str) -> list[int]:
+    """The checkpoint's tokenizer when the `tokenizers` package is installed; otherwise the UTF-8
+    bytes, which is what the presets' byte-level tokenizer would give."""
+    if llm.tokenizer is not None:
+        return llm.tokenizer.encode(text, add_special_tokens=False).ids
+    return list(text.encode("utf-8"))
+
+
+def _demo_text(result: GenerationResult) -> str:
+    if result.text is not None:
+        return result.text
+    return bytes(t for t in result.token_ids if t < 256).decode("utf-8", errors="replace")
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Serial run, then the same requests through the batch scheduler: a table, and the check
     that every request's tokens and logprobs are bitwise the same in both."""
@@ -54,15 +69,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     params = _demo_params(len(DEMO_PROMPTS))
     common = dict(model=str(path), max_seq_len=256)
     serial_llm = LLM(EngineArgs(**common))
+    prompts = [_demo_encode(serial_llm, text) for text in DEMO_PROMPTS]
     start = time.perf_counter()
-    serial = [serial_llm.generate(prompts=p, sampling_params=sp)
-              for p, sp in tqdm(list(zip(DEMO_PROMPTS, params)), desc="serial", unit="req")]
+    serial = [serial_llm.generate(prompt_tokens=p, sampling_params=sp)
+              for p, sp in tqdm(list(zip(prompts, params)), desc="serial", unit="req")]
     serial_s = time.perf_counter() - start
     with LLM(EngineArgs(**common, backend_options={"enable_batching": True, "max_batch_size": 4})) as llm:
         bar = tqdm(total=len(DEMO_PROMPTS), desc="batched", unit="req")
         start = time.perf_counter()
-        ids = [llm.scheduler.submit_request(llm.tokenizer.encode(p, add_special_tokens=False).ids, sp,
-                                            callback=lambda result: bar.update()) for p, sp in zip(DEMO_PROMPTS, params)]
+        ids = [llm.scheduler.submit_request(p, sp, callback=lambda result: bar.update())
+               for p, sp in zip(prompts, params)]
         batched = [llm.scheduler.poll_result(i, timeout_ms=None) for i in ids]
         batched_s = time.perf_counter() - start
         bar.close()
@@ -71,7 +87,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"\n{'prompt':<40} {'sampling':<22} {'ttft ms':>8} {'same':>5}  continuation")
     for prompt, sp, s, b, ok in zip(DEMO_PROMPTS, params, serial, batched, same):
         sampling = "greedy" if sp.greedy else f"T={sp.temperature} k={sp.top_k} p={sp.top_p}"
-        print(f"{prompt:<40} {sampling:<22} {1000 * b.ttft_s:>8.1f} {'yes' if ok else 'NO':>5}  {s.text!r:.60}")
+        print(f"{prompt:<40} {sampling:<22} {1000 * b.ttft_s:>8.1f} {'yes' if ok else 'NO':>5}  {_demo_text(s)!r:.60}")
     tokens = sum(len(r.token_ids) for r in serial)
     print(f"\nserial : {tokens} tokens in {serial_s:.2f} s = {tokens / serial_s:.1f} tokens/s")
     print(f"batched: {tokens} tokens in {batched_s:.2f} s = {tokens / batched_s:.1f} tokens/s "

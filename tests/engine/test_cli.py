@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -65,3 +66,11 @@ def test_help_lists_every_subcommand_and_bench_has_its_own(capsys):
         main(["bench", "--help"])
     assert exit_info.value.code == 0
     assert "--quick" in capsys.readouterr().out
+
+
+def test_demo_runs_without_the_tokenizers_package(tmp_path, monkeypatch, capsys):
+    """The README's first command installs no extras: the demo falls back to UTF-8 bytes."""
+    monkeypatch.setenv("POCKETLLM_CACHE", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    assert main(["demo"]) == 0
+    assert "8/8 requests" in capsys.readouterr().out
