@@ -74,6 +74,26 @@ def _block_d(head_dim: int) -> int:
 
 
 @triton.jit
+def _attend_block(q, k_base, v_base, pos, kv_mask, visible, d, d_mask, stride_kl, stride_kd, stride_vl, stride_vd,
+                  scale, m, l, acc, DOT_PRECISION: tl.constexpr):
+    """One key block of online softmax for a tile of query rows: returns the updated (m, l, acc).
+    `visible` masks (row, key) pairs; a row that sees no key of the block keeps (m, l, acc) bit
+    for bit, provided its m is already finite (alpha = exp(0) = 1, p = exp(-inf) = 0)."""
+    k = tl.load(k_base + pos[:, None].to(tl.int64) * stride_kl + d[None, :] * stride_kd,
+                mask=kv_mask[:, None] & d_mask[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + pos[:, None].to(tl.int64) * stride_vl + d[None, :] * stride_vd,
+                mask=kv_mask[:, None] & d_mask[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                          stride_qb, stride_qh, stride_qd,
                          stride_ks, stride_kl, stride_kh, stride_kd,
@@ -109,19 +129,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, part_m_ptr, par
         for block_start in range(split_start, split_end, BLOCK_N):
             pos = block_start + offs_n
             kv_mask = pos < split_end
-            k = tl.load(k_base + pos[:, None].to(tl.int64) * stride_kl + d[None, :] * stride_kd,
-                        mask=kv_mask[:, None] & d_mask[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-            s = tl.where(kv_mask[None, :], s, float("-inf"))
-            # Every block of a split holds at least one key, so m_new is finite.
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + pos[:, None].to(tl.int64) * stride_vl + d[None, :] * stride_vd,
-                        mask=kv_mask[:, None] & d_mask[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m = m_new
+            # Every block of a split holds at least one key, so m is finite after it.
+            m, l, acc = _attend_block(q, k_base, v_base, pos, kv_mask, kv_mask[None, :], d, d_mask, stride_kl,
+                                      stride_kd, stride_vl, stride_vd, scale, m, l, acc, DOT_PRECISION)
         part = (seq * num_heads + heads) * max_splits + split  # [BLOCK_G]
         tl.store(part_m_ptr + part, m, mask=g_mask)
         tl.store(part_l_ptr + part, l, mask=g_mask)
@@ -235,21 +245,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, start_ptr, cu_ptr, t
     for block_start in range(0, last_pos + 1, BLOCK_N):
         pos = block_start + offs_n
         kv_mask = pos <= last_pos
-        k = tl.load(k_base + pos[:, None].to(tl.int64) * stride_kl + d[None, :] * stride_kd,
-                    mask=kv_mask[:, None] & d_mask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-        s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
-        # Key 0 (block 0) is visible to every row, so m is finite after block 0. A later block
-        # that is fully masked for a row then has m_new == m: alpha = exp(0) = 1 and p = exp(-inf)
-        # = 0 exactly, so it leaves the row's (m, l, acc) bit for bit unchanged.
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + pos[:, None].to(tl.int64) * stride_vl + d[None, :] * stride_vd,
-                    mask=kv_mask[:, None] & d_mask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+        # Key 0 (block 0) is visible to every row, so m is finite after block 0, and a later block
+        # that is fully masked for a row leaves that row's (m, l, acc) bit for bit unchanged.
+        m, l, acc = _attend_block(q, k_base, v_base, pos, kv_mask, pos[None, :] <= q_pos[:, None], d, d_mask,
+                                  stride_kl, stride_kd, stride_vl, stride_vd, scale, m, l, acc, DOT_PRECISION)
     out = acc / l[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
