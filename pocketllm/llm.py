@@ -116,7 +116,8 @@ class LLM:
             if len(params_list) != len(token_prompts):
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(token_prompts)} prompts")
         if self.scheduler is not None:
-            results = self._run_batched(token_prompts, params_list)
+            # Stepped on this thread, not the scheduler's (see BatchScheduler.generate).
+            results = self.scheduler.generate(self._validated(token_prompts, params_list))
         else:
             results = [self._run_serial(self.make_request(p, sp))
                        for p, sp in self._validated(token_prompts, params_list)]
@@ -144,10 +145,6 @@ class LLM:
     def _validated(self, prompts: list, params_list: list[SamplingParams]) -> list[tuple[list[int], SamplingParams]]:
         cfg = self.model_config
         return [(validate_prompt(p, sp, cfg.vocab_size, self.args.max_seq_len), sp) for p, sp in zip(prompts, params_list)]
-
-    def _run_batched(self, prompts: list, params_list: list[SamplingParams]) -> list[GenerationResult]:
-        """Through the scheduler, stepped on this thread (see BatchScheduler.generate)."""
-        return self.scheduler.generate(self._validated(prompts, params_list))
 
     def _run_serial(self, request: Request) -> GenerationResult:
         """Prefill, then decode one token at a time, in a slot of the shared cache."""

@@ -71,6 +71,15 @@ def _run_both(case):
 ROPE_CASES = [(1, 4, 4, 16), (2, 4, 2, 32), (17, 8, 2, 64), (65, 4, 1, 128), (17, 2, 2, 128), (5, 3, 3, 24)]
 
 
+def _assert_same_outputs(got: tuple, want: tuple, dtype: torch.dtype) -> None:
+    """Rotated q and both caches: bitwise in fp32, within the dtype's tolerance otherwise."""
+    for actual, expected in zip(got, want):
+        if dtype == torch.float32:
+            assert torch.equal(actual, expected)
+        else:
+            assert_close(actual, expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", ROPE_CASES)
 def test_rope_write_kv_matches_reference(tokens, heads, kv_heads, head_dim, dtype):
@@ -79,12 +88,7 @@ def test_rope_write_kv_matches_reference(tokens, heads, kv_heads, head_dim, dtyp
     case = _rope_case(tokens, heads, kv_heads, head_dim, dtype, seed=tokens * 100 + head_dim)
     (out, kc, vc), (ref, kr, vr) = _run_both(case)
     assert out.shape == ref.shape and out.dtype == dtype and out.is_contiguous()
-    if dtype == torch.float32:
-        assert torch.equal(out, ref) and torch.equal(kc, kr) and torch.equal(vc, vr)
-    else:
-        assert_close(out, ref)
-        assert_close(kc, kr)
-        assert_close(vc, vr)
+    _assert_same_outputs((out, kc, vc), (ref, kr, vr), dtype)
     positions, k_cache, v_cache, token_slots = case[3], case[6], case[7], case[8]
     untouched = torch.ones(k_cache.shape[:2], dtype=torch.bool)
     untouched[token_slots, positions] = False
@@ -106,12 +110,7 @@ def test_rope_write_kv_partial_rotary_matches_reference(tokens, heads, kv_heads,
     case[4], case[5] = rope_table(rotary, case[6].shape[1], 1_000_000.0)
     (out, kc, vc), (ref, kr, vr) = _run_both(case)
     assert out.shape == ref.shape and out.dtype == dtype
-    if dtype == torch.float32:
-        assert torch.equal(out, ref) and torch.equal(kc, kr) and torch.equal(vc, vr)
-    else:
-        assert_close(out, ref)
-        assert_close(kc, kr)
-        assert_close(vc, vr)
+    _assert_same_outputs((out, kc, vc), (ref, kr, vr), dtype)
     q, k, positions, token_slots = case[0], case[1], case[3], case[8]
     assert torch.equal(out[..., rotary:], q[..., rotary:])
     assert torch.equal(kc[token_slots, positions][..., rotary:], k[..., rotary:])
