@@ -69,6 +69,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     params = _demo_params(len(DEMO_PROMPTS))
     common = dict(model=str(path), max_seq_len=256)
     serial_llm = LLM(EngineArgs(**common))
+    if serial_llm.invariance_report is not None:
+        print(f"start-up probe: {serial_llm.invariance_report.summary()}")
     prompts = [_demo_encode(serial_llm, text) for text in DEMO_PROMPTS]
     start = time.perf_counter()
     serial = [serial_llm.generate(prompt_tokens=p, sampling_params=sp)

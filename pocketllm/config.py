@@ -21,7 +21,8 @@ BACKEND_OPTION_DEFAULTS: dict[str, Any] = {
     "enable_batching": False,  # route generate() through the batch scheduler
     "max_batch_size": 8,  # number of cache slots = most requests running at once
     "background_thread": True,  # batched mode: a thread drives the scheduler loop
-    "batch_invariant": True,  # pad row counts so results do not depend on batch size
+    "batch_invariant": True,  # fixed-shape row tiles so results do not depend on batch size
+    "invariance_probe": True,  # torch backend: check at start-up that the row-wise ops are invariant here
     "record_timeline": False,  # batched mode: record which slot ran which request at each step
 }
 
@@ -56,7 +57,7 @@ class EngineArgs:
         size = self.backend_options["max_batch_size"]
         if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 1024:
             raise ValueError(f"backend_options['max_batch_size'] must be an int in [1, 1024], got {size!r}")
-        for key in ("enable_batching", "background_thread", "batch_invariant", "record_timeline"):
+        for key in ("enable_batching", "background_thread", "batch_invariant", "invariance_probe", "record_timeline"):
             if not isinstance(self.backend_options[key], bool):
                 raise TypeError(f"backend_options[{key!r}] must be a bool, got {self.backend_options[key]!r}")
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
@@ -11,7 +13,8 @@ import torch
 
 from .cache import SlotCache
 from .config import EngineArgs, ModelConfig
-from .kernels import get_ops
+from .kernels import Ops, get_ops
+from .kernels.probe import ProbeReport, probe_row_invariance
 from .models import build_model
 from .outputs import GenerationResult
 from .runner import ModelRunner
@@ -22,15 +25,20 @@ from .tokenizer import load_tokenizer
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What this engine instance can do; `supports_batch` is True when a batch scheduler runs."""
+    """What this engine instance can do; `supports_batch` is True when a batch scheduler runs.
+    `batch_invariant` is True when outputs do not depend on what else is in flight: by construction
+    on the triton backend, and on the torch backend when the start-up probe confirmed it here."""
 
     supports_batch: bool
     backend: str
     max_batch_size: int
     max_seq_len: int
+    batch_invariant: bool
 
 
 class LLM:
@@ -52,6 +60,8 @@ class LLM:
         self.cache = SlotCache(args.max_batch_size, args.max_seq_len, self.model.cache_specs(), args.torch_dtype,
                                self.device)
         self.runner = ModelRunner(self.model, self.cache, self.ops, self.device)
+        self.invariance_report: ProbeReport | None = None
+        batch_invariant = self._check_invariance()
         self.tokenizer: Tokenizer | None = load_tokenizer(args.model)
         self._ids = itertools.count()
         self.scheduler: BatchScheduler | None = None
@@ -62,7 +72,29 @@ class LLM:
                                             args.backend_options["record_timeline"], request_ids=self._ids)
             weakref.finalize(self, self.scheduler.stop)
         self.capabilities = Capabilities(self.scheduler is not None, args.backend, args.max_batch_size,
-                                         args.max_seq_len)
+                                         args.max_seq_len, batch_invariant)
+
+    def _check_invariance(self) -> bool:
+        """Whether this engine keeps the invariance contract here. The triton kernels are invariant
+        by construction; the torch backend's rests on the BLAS, so it is probed on the model's own
+        shapes, and a failure is reported loudly instead of breaking the promise silently."""
+        options = self.args.backend_options
+        if not options["batch_invariant"]:
+            return False
+        if self.args.backend != "torch" or not options["invariance_probe"]:
+            return True
+        ops: Ops = self.ops
+        cfg = self.model_config
+        report = probe_row_invariance(ops.linear, ops.rms_norm, ops.silu_and_mul, ops.sample,
+                                      self.model.linear_weights(), cfg.hidden_size, cfg.vocab_size)
+        self.invariance_report = report
+        if report.ok:
+            logger.info("invariance probe: %s", report.summary())
+        else:
+            message = f"pocketllm: outputs may depend on the batch: {report.summary()}"
+            logger.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        return report.ok
 
     def close(self) -> None:
         """Stop the scheduler thread (if any); unfinished requests end as "cancelled"."""

@@ -1,13 +1,15 @@
 """Linear layers: y = x @ W^T (+ b).
 
 `linear_ref` is the plain reference. `linear_row_invariant` is what the torch backend runs. CPU
-BLAS (MKL here) switches its GEMM kernel on the number of rows, so one row's result can change
-with how many other rows share the call. Measured on MKL 2024.2 / AVX-512 for K, N from 64 to
-32000 and M up to 3000: computed as W @ x^T, row counts below 12 each round differently, while
-every count from 12 on agrees bit for bit (F.linear also agrees at multiples of 4, but its
-small-M GEMM is 2-3x slower than W @ x^T). So the torch backend computes W @ x^T with the rows
-padded to at least `MIN_ROWS`. tests/kernels/test_ops_reference.py re-measures this on the machine
-that runs it, so a BLAS with other thresholds fails loudly instead of silently.
+BLAS picks its GEMM algorithm (blocking, micro-kernel, thread split) from the call's shape, so a
+row's bits can change with how many other rows share the call: MKL on AMD EPYC changes below 12
+rows, MKL on Intel AVX-512 changes again from 100 or 257 rows, and other BLAS libraries have their
+own thresholds. No threshold measured on one CPU holds on another, so the torch backend does not
+rely on any: it cuts the rows into tiles of exactly `ROW_TILE` rows (the last one zero-padded) and
+makes one GEMM call per tile. Every call has the same shape, strides and alignment whatever the
+batch, so the BLAS takes the same path for every tile. What is left to the BLAS is that a row's
+result does not depend on its position inside a tile; `kernels/probe.py` checks exactly that on
+the model's own weights when an engine starts, and the tests re-measure it.
 `linear_triton` is the Triton kernel, row invariant by construction (fixed tiles, no split-K).
 """
 
@@ -16,7 +18,11 @@ import torch.nn.functional as F
 
 from ._triton import INTERPRETED, kernel_device_ok, tl, triton
 
-MIN_ROWS = 16
+# Rows per GEMM call of the torch backend. 16 costs nothing at decode batches up to 16 (MKL's GEMM
+# on 16 columns is as fast as on 8) and keeps prefill GEMMs within about 2x of one big call.
+ROW_TILE = 16
+# Row stride of the staged input, in bytes: every tile starts on the same alignment.
+_ALIGN_BYTES = 64
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -24,12 +30,28 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return F.linear(x, weight, bias)
 
 
+def _staged_rows(x: torch.Tensor, num_tiles: int) -> torch.Tensor:
+    """x copied into a zeroed [num_tiles * ROW_TILE, K] view whose rows start on a 64-byte
+    boundary, so that every tile handed to the BLAS has the same alignment and strides."""
+    rows, k = x.shape
+    per_row = max(1, _ALIGN_BYTES // x.element_size())
+    padded_k = -(-k // per_row) * per_row
+    staged = x.new_zeros(num_tiles * ROW_TILE, padded_k)[:, :k]
+    staged[:rows] = x
+    return staged
+
+
 def linear_row_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """W @ x^T with at least MIN_ROWS rows, so each row's bits do not depend on M."""
+    """[M, K] x [N, K] (+ [N]) -> [M, N], one fixed-shape GEMM (W @ tile^T) per ROW_TILE rows.
+
+    A row's bits depend on its values, W and b only: never on M, nor on which tile it lands in.
+    W @ x^T rather than x @ W^T: MKL's GEMM is 2-3x faster in that orientation at decode sizes.
+    """
     rows = x.shape[0]
-    if rows < MIN_ROWS:
-        x = torch.cat([x, x.new_zeros(MIN_ROWS - rows, x.shape[1])])
-    out = torch.matmul(weight, x.T).T[:rows]
+    num_tiles = max(1, -(-rows // ROW_TILE))
+    staged = _staged_rows(x, num_tiles)
+    tiles = [torch.matmul(weight, staged[i * ROW_TILE:(i + 1) * ROW_TILE].T) for i in range(num_tiles)]
+    out = (tiles[0] if num_tiles == 1 else torch.cat(tiles, dim=1)).T[:rows]
     return (out if bias is None else out + bias).contiguous()
 
 

@@ -94,6 +94,11 @@ class Qwen3Model:
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
+    def linear_weights(self) -> list[torch.Tensor]:
+        """Every matrix the model multiplies through `ops.linear`, lm_head last."""
+        return [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)] + [
+            self.lm_head]
+
     def cache_specs(self) -> list[AttentionCacheSpec]:
         """What each layer keeps per slot: K/V for every layer."""
         return [AttentionCacheSpec(self.cfg.num_key_value_heads, self.cfg.head_dim)] * self.cfg.num_hidden_layers

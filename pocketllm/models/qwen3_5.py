@@ -141,6 +141,12 @@ class Qwen3_5Model:
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
+    def linear_weights(self) -> list[torch.Tensor]:
+        """Every matrix the model multiplies through `ops.linear`, lm_head last."""
+        mixers = [(b.mixer.qkv, b.mixer.o_proj) if b.kind == "full_attention" else (b.mixer.in_proj, b.mixer.out_proj)
+                  for b in self.blocks]
+        return [w for b, m in zip(self.blocks, mixers) for w in (*m, b.gate_up, b.down)] + [self.lm_head]
+
     def cache_specs(self) -> list[LayerCacheSpec]:
         """K/V for attention layers; conv and recurrent state for Gated DeltaNet layers."""
         cfg = self.cfg

@@ -48,10 +48,11 @@ workloads = st.tuples(st.lists(jobs, min_size=1, max_size=12), st.integers(1, 8)
 class Engines:
     """One serial engine and one batched engine per max_batch_size, built once per module."""
 
-    def __init__(self, path, batch_invariant: bool = True) -> None:
+    def __init__(self, path, batch_invariant: bool = True, max_seq_len: int = MAX_SEQ_LEN) -> None:
         self.path = path
         self.options = {"batch_invariant": batch_invariant}
-        self.serial = LLM(EngineArgs(model=str(path), max_seq_len=MAX_SEQ_LEN, backend_options=self.options))
+        self.max_seq_len = max_seq_len
+        self.serial = LLM(EngineArgs(model=str(path), max_seq_len=max_seq_len, backend_options=self.options))
         self.batched: dict[int, LLM] = {}
         self.serial_cache: dict[tuple, tuple[list[int], list[float]]] = {}
 
@@ -59,7 +60,7 @@ class Engines:
         if max_batch_size not in self.batched:
             options = {**self.options, "enable_batching": True, "max_batch_size": max_batch_size,
                        "background_thread": False}
-            self.batched[max_batch_size] = LLM(EngineArgs(model=str(self.path), max_seq_len=MAX_SEQ_LEN,
+            self.batched[max_batch_size] = LLM(EngineArgs(model=str(self.path), max_seq_len=self.max_seq_len,
                                                           backend_options=options))
         return self.batched[max_batch_size].scheduler
 
@@ -197,3 +198,34 @@ def test_batched_equals_serial_at_realistic_width(tmp_path, preset):
         batched = llm.generate(prompt_tokens=prompts, sampling_params=params)
     for s, b in zip(serial, batched):
         assert (b.token_ids, b.logprobs) == (s.token_ids, s.logprobs)
+
+
+@pytest.fixture(scope="module")
+def realistic_engines(tmp_path_factory):
+    """Serial and batched engines on the `small` preset: hidden 512, vocabulary 32000."""
+    from pocketllm import write_checkpoint
+
+    engines = Engines(write_checkpoint(tmp_path_factory.mktemp("small"), "small", seed=3), max_seq_len=192)
+    yield engines
+    engines.close()
+
+
+realistic_workloads = st.tuples(
+    st.lists(st.builds(Job, prompt=st.lists(st.integers(0, 31999), min_size=1, max_size=150).map(tuple),
+                       params=st.builds(SamplingParams, max_tokens=st.integers(1, 6),
+                                        temperature=st.sampled_from([0.0, 0.9]), top_k=st.sampled_from([0, 50]),
+                                        top_p=st.sampled_from([1.0, 0.9]), seed=st.integers(0, 2**64 - 1),
+                                        ignore_eos=st.just(True)),
+                       arrival_step=st.integers(0, 4), cancel_step=st.none()),
+             min_size=2, max_size=6),
+    st.integers(2, 6))
+
+
+# Realistic width costs about 100x the tiny model per token: a tenth of the profile's budget.
+@settings(max_examples=max(2, settings.default.max_examples // 10))
+@given(workload=realistic_workloads)
+def test_batched_equals_serial_property_at_realistic_width(realistic_engines, workload):
+    """The property at hidden size 512 with prompts past 100 tokens: prefills that span several
+    row tiles and multi-threaded kernels; every request equals its serial run bit for bit."""
+    jobs_, max_batch_size = workload
+    assert mismatches(realistic_engines, jobs_, max_batch_size) == []

@@ -15,7 +15,7 @@ from pocketllm.kernels.activation import silu_and_mul_ref
 from pocketllm.kernels.attention import decode_attention_ref, prefill_attention_ref
 from pocketllm.kernels.embedding import embedding_ref
 from pocketllm.kernels.kv_write import rope_write_kv_ref, write_kv_ref
-from pocketllm.kernels.linear import MIN_ROWS, linear_ref, linear_row_invariant
+from pocketllm.kernels.linear import linear_ref, linear_row_invariant
 from pocketllm.kernels.rmsnorm import rms_norm_ref
 from pocketllm.kernels.rope import apply_rope_ref, rope_table
 
@@ -322,9 +322,6 @@ def test_silu_and_mul_matches_formula(dtype, num_tokens, inter):
 
 # -- linear ----------------------------------------------------------------------------------------------
 
-LINEAR_SHAPES = [(64, 128), (64, 384), (128, 64), (17, 33), (48, 300), (256, 512)]
-
-
 def _linear_reference(x, weight, bias):
     out = x.double() @ weight.double().T
     return out + bias.double() if bias is not None else out
@@ -344,48 +341,4 @@ def test_linear_matches_formula(op, dtype, with_bias, rows):
     assert out.shape == (rows, n) and out.dtype == dtype
     torch.testing.assert_close(out.double(), _linear_reference(x, w, b), **TOL["linear"][dtype])
 
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("k,n", LINEAR_SHAPES)
-def test_linear_row_invariant_is_bitwise_independent_of_row_count(dtype, with_bias, k, n):
-    """For every M in 1..40 the rows of linear_row_invariant(x[:M]) equal those rows of the
-    M = 40 call bit for bit, and each row alone equals its row in the batch."""
-    x = _randn(40, k, seed=k * n, dtype=dtype)
-    w = _randn(n, k, seed=k + n, dtype=dtype)
-    b = _randn(n, seed=k - n, dtype=dtype) if with_bias else None
-    full = linear_row_invariant(x, w, b)
-    bad_m = [m for m in range(1, 41) if not torch.equal(linear_row_invariant(x[:m], w, b), full[:m])]
-    assert not bad_m, f"row results depend on the row count for M in {bad_m}"
-    bad_rows = [j for j in range(40) if not torch.equal(linear_row_invariant(x[j:j + 1], w, b), full[j:j + 1])]
-    assert not bad_rows, f"rows {bad_rows} differ when computed alone"
-
-
-@pytest.mark.parametrize("k,n", [(64, 128), (128, 64), (256, 512)])
-def test_plain_linear_is_not_row_invariant(k, n):
-    """Negative control: without the row padding, some small M changes a row's bits on this BLAS,
-    which is why linear_row_invariant pads. Skips on a BLAS without a small-M kernel switch.
-    The padding's premise: from MIN_ROWS rows on, W @ x^T gives every row the same bits."""
-    x = _randn(40, k, seed=k * n + 1)
-    w = _randn(n, k, seed=k + n + 1)
-
-    def plain(rows):
-        return (w @ x[:rows].T).T
-
-    full = plain(40)
-    differing = [m for m in range(1, MIN_ROWS) if not torch.equal(plain(m), full[:m])]
-    if not differing:
-        pytest.skip("this BLAS has no small-M kernel switch: W @ x^T is already row invariant below MIN_ROWS")
-    padded = [m for m in range(MIN_ROWS, 41) if not torch.equal(plain(m), full[:m])]
-    assert not padded, f"W @ x^T differs at row counts >= MIN_ROWS: {padded}"
-
-
-@pytest.mark.parametrize("k,n", [(512, 1408), (1408, 512)])
-def test_linear_row_invariant_at_prefill_sizes(k, n):
-    """Large row counts (long prefills) keep the rows' bits: the first 16 rows are the same for
-    M = 16 and for M up to 1500."""
-    x = _randn(1500, k, seed=k + 7)
-    w = _randn(n, k, seed=n + 7)
-    head = linear_row_invariant(x[:16], w)
-    bad = [m for m in (17, 100, 257, 513, 1024, 1500) if not torch.equal(linear_row_invariant(x[:m], w)[:16], head)]
-    assert not bad, f"row results change at M in {bad}"
+# Bitwise row invariance of linear_row_invariant, at 1 and 2 threads: test_linear_invariance.py.

@@ -1,0 +1,115 @@
+"""The start-up probe: an engine on the torch backend checks, on its own weights, that its
+row-wise ops are batch invariant on this machine, and says so loudly when they are not."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pocketllm.llm
+from pocketllm import LLM, EngineArgs
+from pocketllm.kernels import torch_ops
+from pocketllm.kernels.linear import linear_ref, linear_row_invariant
+from pocketllm.kernels.probe import probe_row_invariance
+
+
+@pytest.mark.parametrize("variant", ["untied_gqa4_bias", "qwen3.5_mm_untied"])
+def test_engine_probes_every_weight_shape_and_reports_invariant(checkpoint_dir, variant):
+    llm = LLM(EngineArgs(model=str(checkpoint_dir(variant)), max_seq_len=64))
+    report = llm.invariance_report
+    assert llm.ops.linear is linear_row_invariant, "the probe must test the linear the engine runs"
+    shapes = {tuple(w.shape) for w in llm.model.linear_weights()}
+    assert {f"linear {k}->{n}" for n, k in shapes} <= set(report.checks)
+    assert report.ok, report.summary()
+    assert llm.capabilities.batch_invariant is True
+    assert report.threads == torch.get_num_threads()
+
+
+def _ops_with(**changes):
+    return dataclasses.replace(torch_ops(), **changes)
+
+
+def _probe(ops, weights, hidden=48, vocab=300):
+    return probe_row_invariance(ops.linear, ops.rms_norm, ops.silu_and_mul, ops.sample, weights, hidden, vocab)
+
+
+def _count_dependent(op):
+    """Wraps a row-wise op so that its result depends on the row count (as a BLAS kernel switch
+    would): rows of a one-row call are computed in float64."""
+    def wrapped(x, *args):
+        if x.shape[0] == 1:
+            return op(x.double(), *(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                                    for a in args)).to(x.dtype)
+        return op(x, *args)
+    return wrapped
+
+
+def _position_dependent_norm(x, weight, eps):
+    """An RMSNorm whose last row takes another code path (a remainder loop, say)."""
+    out = torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+    out[-1] = (x[-1].double() * torch.rsqrt(x[-1].double().pow(2).mean() + eps) * weight.double()).to(x.dtype)
+    return out
+
+
+def test_probe_finds_a_row_count_dependent_linear():
+    weights = [torch.randn(300, 48), torch.randn(48, 96)]
+    assert _probe(torch_ops(), weights).ok
+    report = _probe(_ops_with(linear=_count_dependent(F.linear)), weights)
+    assert not report.ok
+    assert any(f.startswith("linear 48->300") for f in report.failures), report.failures
+
+
+def test_probe_finds_a_position_dependent_norm():
+    report = _probe(_ops_with(rms_norm=_position_dependent_norm), [torch.randn(300, 48)])
+    assert not report.ok and any(f.startswith("rms_norm") for f in report.failures), report.failures
+
+
+def test_probe_finds_a_batch_dependent_sampler():
+    sample = torch_ops().sample
+
+    def batch_dependent(logits, *rest):
+        """Logprobs from a log-softmax whose reduction order changes with the batch: modelled by
+        a relative perturbation of one part in 10^6 in batches of more than one row."""
+        tokens, logprobs = sample(logits, *rest)
+        return tokens, logprobs * (1 + 1e-6 * (logits.shape[0] > 1))
+
+    report = _probe(_ops_with(sample=batch_dependent), [torch.randn(300, 48)])
+    assert not report.ok and any(f.startswith("sample") for f in report.failures), report.failures
+
+
+def test_probe_flags_one_gemm_per_batch_on_this_blas():
+    """The plain reference linear (one BLAS call per batch) is what the tiles replace: where this
+    BLAS switches kernels with the row count, the probe must see it."""
+    weights = [torch.randn(512, 256)]
+    x = torch.randn(40, 256)
+    if all(torch.equal(linear_ref(x[:m], weights[0]), linear_ref(x, weights[0])[:m]) for m in range(1, 40)):
+        pytest.skip("one GEMM per batch is row invariant on this BLAS; nothing for the probe to find")
+    assert not _probe(_ops_with(linear=linear_ref), weights, hidden=256).ok
+
+
+def test_failed_probe_warns_and_clears_the_capability(tiny_checkpoint, monkeypatch):
+    real = pocketllm.llm.probe_row_invariance
+
+    def failing(*args, **kwargs):
+        return dataclasses.replace(real(*args, **kwargs), ok=False, failures=("linear 64->256: injected",))
+
+    monkeypatch.setattr(pocketllm.llm, "probe_row_invariance", failing)
+    with pytest.warns(RuntimeWarning, match="may depend on the batch.*injected"):
+        llm = LLM(EngineArgs(model=str(tiny_checkpoint), max_seq_len=64))
+    assert llm.capabilities.batch_invariant is False
+
+
+@pytest.mark.parametrize("options,backend,expected", [
+    ({"batch_invariant": False}, "torch", False),
+    ({"invariance_probe": False}, "torch", True),
+    ({}, "triton", True),
+])
+def test_capability_without_probe(tiny_checkpoint, options, backend, expected):
+    """No probe runs when invariance is switched off, when the user opts out, or on the triton
+    backend (its kernels use fixed tiles and never ask a BLAS)."""
+    llm = LLM(EngineArgs(model=str(tiny_checkpoint), backend=backend, max_seq_len=64, backend_options=options))
+    assert llm.invariance_report is None
+    assert llm.capabilities.batch_invariant is expected
