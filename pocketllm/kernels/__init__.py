@@ -7,8 +7,8 @@ one-line change here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from . import _triton  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
 from .activation import silu_and_mul_ref

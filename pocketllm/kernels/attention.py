@@ -14,6 +14,7 @@ cache holds K/V for positions [0, start + n) of a sequence by the time attention
 import torch
 
 from ._triton import kernel_device_ok, tl, triton
+from .checks import check_dtype, check_groups, check_shape
 
 
 def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
@@ -168,6 +169,16 @@ def _decode_merge_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, len_ptr, out_ptr,
              out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+def _check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """q [tokens, heads, head_dim] and K/V caches [slots, max_seq_len, kv_heads, head_dim] that agree;
+    returns the query heads per key/value head."""
+    check_shape("q", q, (None, None, None))
+    check_shape("k_cache", k_cache, (None, None, None, q.shape[2]))
+    check_shape("v_cache", v_cache, (k_cache.shape[0], k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]))
+    check_dtype(q.dtype, k_cache=k_cache, v_cache=v_cache)
+    return check_groups(q.shape[1], k_cache.shape[2])
+
+
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             slot_ids: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                             split_size: int = DECODE_SPLIT_SIZE) -> torch.Tensor:
@@ -182,9 +193,11 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     kernel_device_ok(q)
     if split_size <= 0 or split_size % DECODE_BLOCK_N:
         raise ValueError(f"split_size must be a positive multiple of {DECODE_BLOCK_N}, got {split_size}")
+    group = _check_attention_args(q, k_cache, v_cache)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    check_shape("slot_ids", slot_ids, (batch,))
+    check_shape("seq_lens", seq_lens, (batch,))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
@@ -279,7 +292,11 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     over a cached prefix, all give bit-identical rows.
     """
     kernel_device_ok(q)
+    group = _check_attention_args(q, k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
+    check_shape("slot_ids", slot_ids, (None,))
+    check_shape("start_positions", start_positions, (slot_ids.shape[0],))
+    check_shape("cu_seqlens", cu_seqlens, (slot_ids.shape[0] + 1,))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
@@ -287,7 +304,7 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     _prefill_kernel[(tile_seq.numel(), num_heads)](
         q, k_cache, v_cache, out, slot_ids, start_positions, cu_seqlens, tile_seq, tile_row,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), scale,
-        GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim,
+        GROUP=group, HEAD_DIM=head_dim,
         BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, BLOCK_D=_block_d(head_dim),
         DOT_PRECISION=_dot_precision(q.dtype), num_stages=2)
     return out
