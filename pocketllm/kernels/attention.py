@@ -75,6 +75,13 @@ def _block_d(head_dim: int) -> int:
 
 
 @triton.jit
+def _softmax_start(ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Online-softmax state (m, l, acc) of ROWS query rows before their first key block."""
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    return m, tl.zeros([ROWS], tl.float32), tl.zeros([ROWS, BLOCK_D], tl.float32)
+
+
+@triton.jit
 def _attend_block(q, k_base, v_base, pos, kv_mask, visible, d, d_mask, stride_kl, stride_kd, stride_vl, stride_vd,
                   scale, m, l, acc, DOT_PRECISION: tl.constexpr):
     """One key block of online softmax for a tile of query rows: returns the updated (m, l, acc).
@@ -124,9 +131,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, part_m_ptr, par
                     mask=g_mask[:, None] & d_mask[None, :], other=0.0)
         k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
         v_base = v_ptr + slot * stride_vs + kv_head * stride_vh
-        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        m, l, acc = _softmax_start(BLOCK_G, BLOCK_D)
         for block_start in range(split_start, split_end, BLOCK_N):
             pos = block_start + offs_n
             kv_mask = pos < split_end
@@ -252,9 +257,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, start_ptr, cu_ptr, t
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)
     k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
     v_base = v_ptr + slot * stride_vs + kv_head * stride_vh
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m, l, acc = _softmax_start(BLOCK_M, BLOCK_D)
     for block_start in range(0, last_pos + 1, BLOCK_N):
         pos = block_start + offs_n
         kv_mask = pos <= last_pos
