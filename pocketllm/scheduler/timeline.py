@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+Phase = Literal["prefill", "decode"]
 
 
 @dataclass(frozen=True)
 class SlotEvent:
     step: int
-    phase: str  # "prefill" or "decode"
+    phase: Phase
     slot: int
     request_id: int
     num_tokens: int  # tokens this request fed through the forward
