@@ -143,7 +143,9 @@ def markdown(report: dict[str, Any], workloads: list[Workload], runs: list[Run])
         f"(tokens - 1), mean over requests; a transformers static batch returns when its longest request is done. "
         f"One measurement per run after a warm-up; single-request latency is the median of {cfg['latency_repeats']}.",
         ""]
-    lines = header + seed_table_md(report["seed_table"]) + [""] + vs_transformers_md(report["vs_transformers"])
+    skipped = [f"Skipped {part.replace('_', ' ')}: {why}." for part, why in report.get("skipped", {}).items()]
+    lines = header + (skipped + [""] if skipped else []) + seed_table_md(report["seed_table"]) + [""]
+    lines += vs_transformers_md(report["vs_transformers"])
     for workload in workloads:
         lines += [""] + workload_md(workload, runs)
     return "\n".join(lines) + "\n"

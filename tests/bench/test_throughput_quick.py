@@ -12,8 +12,7 @@ import sys
 import pytest
 import torch
 
-from pocketllm.bench import main
-from pocketllm.bench import command
+from pocketllm.bench import command, main
 from pocketllm.bench.workloads import summarize
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -88,5 +87,7 @@ def test_plain_install_writes_report_says_what_it_skipped(tmp_path, monkeypatch,
     report = json.loads((tmp_path / "throughput.json").read_text())
     assert set(report["skipped"]) == {"plots", "transformers_baseline"}
     assert report["vs_transformers"] is None and not report["config"]["transformers_baselines"]
-    assert "## The seed's table" in (tmp_path / "throughput.md").read_text()
+    md = (tmp_path / "throughput.md").read_text()
+    assert "## The seed's table" in md
+    assert "Skipped plots: matplotlib is not installed: pip install 'pocketllm[plot]'." in md
     assert not list(tmp_path.glob("*.png"))
