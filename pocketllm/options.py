@@ -16,11 +16,14 @@ from typing import Any
 
 
 def _option(default: Any, doc: str, low: int | None = None, high: int | None = None) -> Any:
+    """A dataclass field carrying its meaning and, for ints, its allowed range."""
     return field(default=default, metadata={"doc": doc, "range": None if low is None else (low, high)})
 
 
 @dataclass(frozen=True)
 class EngineOptions:
+    """How the engine runs requests: cache slots and the batch scheduler."""
+
     enable_batching: bool = _option(False, "route generate() through the batch scheduler")
     max_batch_size: int = _option(8, "number of cache slots: the most requests running at once", 1, 1024)
     background_thread: bool = _option(True, "batched mode: a thread drives the scheduler loop")
@@ -29,6 +32,8 @@ class EngineOptions:
 
 @dataclass(frozen=True)
 class BackendOptions:
+    """How the backend's op table is built."""
+
     batch_invariant: bool = _option(True, "torch backend: pad row counts so results do not depend on batch size")
 
 
@@ -51,8 +56,9 @@ KNOWN = {f.name: f for group in GROUPS for f in fields(group)}
 def parse_backend_options(raw: Mapping[str, Any] | None) -> Options:
     """Check every key and value of `raw` (None: all defaults) and fill in the defaults.
 
-    Unknown keys raise ValueError listing the known ones; a value of the wrong type raises
-    TypeError (ValueError for ints out of range, bools included, since they are ints)."""
+    Unknown keys raise ValueError listing the known ones. A bool option given anything but a bool
+    raises TypeError; an int option given anything but an int in its range (a bool included, which
+    Python counts as an int) raises ValueError."""
     raw = {} if raw is None else raw
     if not isinstance(raw, Mapping):
         raise TypeError(f"backend_options must be a dict, got {type(raw).__name__}")
