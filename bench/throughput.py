@@ -1,4 +1,4 @@
-"""The throughput and latency benchmark (pocketllm/benchmark.py), writing into bench/results/.
+"""The throughput and latency benchmark (the `pocketllm.bench` package), writing into bench/results/.
 
     python bench/throughput.py            # small preset, about 10 minutes on 2 CPU cores
     python bench/throughput.py --quick    # tiny preset, under a minute
@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pocketllm.benchmark import main
+from pocketllm.bench import main
 
 if __name__ == "__main__":
     # A later --out on the command line overrides this default.

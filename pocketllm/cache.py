@@ -36,6 +36,10 @@ class RecurrentCacheSpec:
 LayerCacheSpec = AttentionCacheSpec | RecurrentCacheSpec
 
 
+class SlotCacheError(RuntimeError):
+    """The one error the slot cache raises: no free slot, or a slot that is not allocated."""
+
+
 class SlotCache:
     """Per-layer slot tensors (None where a layer has no such state) plus slot bookkeeping."""
 
@@ -64,9 +68,9 @@ class SlotCache:
         return len(self._free)
 
     def allocate(self) -> int:
-        """Take the lowest free slot, its recurrent state zeroed; RuntimeError when all are in use."""
+        """Take the lowest free slot, its recurrent state zeroed; SlotCacheError when all are in use."""
         if not self._free:
-            raise RuntimeError(f"all {self.num_slots} cache slots are in use")
+            raise SlotCacheError(f"all {self.num_slots} cache slots are in use")
         self._free.sort()
         slot = self._free.pop(0)
         self.slot_tokens[slot] = []
@@ -78,6 +82,6 @@ class SlotCache:
     def free(self, slot: int, tokens: list[int]) -> None:
         """Return a slot; `tokens` are the ids whose K/V it now holds (positions 0..len-1)."""
         if not 0 <= slot < self.num_slots or slot in self._free:
-            raise ValueError(f"slot {slot} is not allocated (slots 0..{self.num_slots - 1})")
+            raise SlotCacheError(f"slot {slot} is not allocated (slots 0..{self.num_slots - 1})")
         self.slot_tokens[slot] = list(tokens)
         self._free.append(slot)

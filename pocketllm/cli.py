@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # the benchmark owns its arguments, --help included
-        from .benchmark import main as bench_main
+        from .bench import main as bench_main
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -9,34 +9,35 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-BACKENDS = ("torch", "triton")
+from .options import Options, parse_backend_options
 
-# backend_options keys, their types and defaults.
-BACKEND_OPTION_DEFAULTS: dict[str, Any] = {
-    "enable_batching": False,  # route generate() through the batch scheduler
-    "max_batch_size": 8,  # number of cache slots = most requests running at once
-    "background_thread": True,  # batched mode: a thread drives the scheduler loop
-    "batch_invariant": True,  # fixed-shape row tiles so results do not depend on batch size
-    "invariance_probe": True,  # torch backend: check at start-up that the row-wise ops are invariant here
-    "record_timeline": False,  # batched mode: record which slot ran which request at each step
-}
+Backend = Literal["torch", "triton"]
+DTypeName = Literal["float32", "bfloat16", "float16"]
+BACKENDS: tuple[Backend, ...] = get_args(Backend)
+DTYPES: dict[DTypeName, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                        "float16": torch.float16}
 
 
 @dataclass
 class EngineArgs:
-    """How to build an engine: which checkpoint, backend, dtype, device and cache size."""
+    """How to build an engine: which checkpoint, backend, dtype, device and cache size.
+
+    `backend_options` (a flat dict, None for all defaults; see `pocketllm.options`) is checked and
+    parsed once into `options`, which is what the engine reads; afterwards `backend_options` holds
+    every key with its value, defaults filled in.
+    """
 
     model: str
-    backend: str = "torch"
-    dtype: str = "float32"
+    backend: Backend = "torch"
+    dtype: DTypeName = "float32"
     device: str = "cpu"
     max_seq_len: int = 4096
-    backend_options: dict[str, Any] = field(default_factory=dict)
+    backend_options: dict[str, Any] | None = None
+    options: Options = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, Path)):
@@ -48,18 +49,8 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be an int >= 2, got {self.max_seq_len!r}")
-        unknown = set(self.backend_options) - set(BACKEND_OPTION_DEFAULTS)
-        if unknown:
-            raise ValueError(
-                f"unknown backend_options {sorted(unknown)}; allowed: {sorted(BACKEND_OPTION_DEFAULTS)}"
-            )
-        self.backend_options = {**BACKEND_OPTION_DEFAULTS, **self.backend_options}
-        size = self.backend_options["max_batch_size"]
-        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 1024:
-            raise ValueError(f"backend_options['max_batch_size'] must be an int in [1, 1024], got {size!r}")
-        for key in ("enable_batching", "background_thread", "batch_invariant", "invariance_probe", "record_timeline"):
-            if not isinstance(self.backend_options[key], bool):
-                raise TypeError(f"backend_options[{key!r}] must be a bool, got {self.backend_options[key]!r}")
+        self.options = parse_backend_options(self.backend_options)
+        self.backend_options = self.options.as_dict()
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -67,7 +58,7 @@ class EngineArgs:
 
     @property
     def max_batch_size(self) -> int:
-        return self.backend_options["max_batch_size"]
+        return self.options.engine.max_batch_size
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,8 @@ class LLM:
         self.args = args
         self.device = torch.device(args.device)
         self.model_config = ModelConfig.from_dir(args.model)
-        self.ops = get_ops(args.backend, args.backend_options["batch_invariant"])
+        engine = args.options.engine
+        self.ops = get_ops(args.backend, args.options.backend.batch_invariant)
         self.model = build_model(args.model, self.model_config, self.ops, args.torch_dtype, self.device,
                                  args.max_seq_len)
         self.cache = SlotCache(args.max_batch_size, args.max_seq_len, self.model.cache_specs(), args.torch_dtype,
@@ -65,11 +66,11 @@ class LLM:
         self.tokenizer: Tokenizer | None = load_tokenizer(args.model)
         self._ids = itertools.count()
         self.scheduler: BatchScheduler | None = None
-        if args.backend_options["enable_batching"]:
+        if engine.enable_batching:
             cfg = self.model_config
             self.scheduler = BatchScheduler(self.runner, self.cache, cfg.vocab_size, args.max_seq_len,
-                                            cfg.eos_token_ids, args.backend_options["background_thread"],
-                                            args.backend_options["record_timeline"], request_ids=self._ids)
+                                            cfg.eos_token_ids, engine.background_thread, engine.record_timeline,
+                                            request_ids=self._ids)
             weakref.finalize(self, self.scheduler.stop)
         self.capabilities = Capabilities(self.scheduler is not None, args.backend, args.max_batch_size,
                                          args.max_seq_len, batch_invariant)
@@ -78,10 +79,10 @@ class LLM:
         """Whether this engine keeps the invariance contract here. The triton kernels are invariant
         by construction; the torch backend's rests on the BLAS, so it is probed on the model's own
         shapes, and a failure is reported loudly instead of breaking the promise silently."""
-        options = self.args.backend_options
-        if not options["batch_invariant"]:
+        options = self.args.options.backend
+        if not options.batch_invariant:
             return False
-        if self.args.backend != "torch" or not options["invariance_probe"]:
+        if self.args.backend != "torch" or not options.invariance_probe:
             return True
         ops: Ops = self.ops
         cfg = self.model_config

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
+FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
 @dataclass
@@ -21,7 +22,7 @@ class GenerationResult:
     prompt_tokens: list[int]
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     seed: int | None = None
     ttft_s: float | None = None

@@ -11,8 +11,7 @@ import torch
 
 from .cache import SlotCache
 from .kernels import Ops
-from .models import ForwardBatch
-from .models.qwen3 import Qwen3Model
+from .models import ForwardBatch, Model
 from .sampling import SamplingParams
 
 
@@ -33,7 +32,7 @@ def _as_int64(seed: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3Model, cache: SlotCache, ops: Ops, device: torch.device | str) -> None:
+    def __init__(self, model: Model, cache: SlotCache, ops: Ops, device: torch.device | str) -> None:
         self.model = model
         self.cache = cache
         self.ops = ops

@@ -15,8 +15,9 @@ tokenizer, those special tokens' literal text in a prompt encodes to their ids.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -81,7 +82,7 @@ def byte_level_tokenizer_files(vocab_size: int, eos_token_ids: Sequence[int],
         added_tokens.append({"id": i, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
                              "normalized": False, "special": True})
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-    tokenizer = {
+    tokenizer: dict[str, Any] = {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": added_tokens, "normalizer": None,
         "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,

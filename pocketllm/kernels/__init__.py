@@ -7,8 +7,8 @@ one-line change here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from . import _triton  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
 from .activation import silu_and_mul_ref
@@ -43,7 +43,7 @@ class Ops:
 
 
 def torch_ops(batch_invariant: bool = True) -> Ops:
-    """Every op is its torch reference; `batch_invariant=False` drops the row padding of the
+    """Every op is its torch reference; `batch_invariant=False` drops the fixed row tiles of the
     linear layers (a negative control for the invariance tests, and a speed baseline)."""
     return Ops(
         embedding=embedding_ref,

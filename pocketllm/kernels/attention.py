@@ -14,6 +14,7 @@ cache holds K/V for positions [0, start + n) of a sequence by the time attention
 import torch
 
 from ._triton import kernel_device_ok, tl, triton
+from .checks import check_dtype, check_groups, check_shape
 
 
 def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
@@ -74,6 +75,13 @@ def _block_d(head_dim: int) -> int:
 
 
 @triton.jit
+def _softmax_start(ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Online-softmax state (m, l, acc) of ROWS query rows before their first key block."""
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    return m, tl.zeros([ROWS], tl.float32), tl.zeros([ROWS, BLOCK_D], tl.float32)
+
+
+@triton.jit
 def _attend_block(q, k_base, v_base, pos, kv_mask, visible, d, d_mask, stride_kl, stride_kd, stride_vl, stride_vd,
                   scale, m, l, acc, DOT_PRECISION: tl.constexpr):
     """One key block of online softmax for a tile of query rows: returns the updated (m, l, acc).
@@ -123,9 +131,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, part_m_ptr, par
                     mask=g_mask[:, None] & d_mask[None, :], other=0.0)
         k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
         v_base = v_ptr + slot * stride_vs + kv_head * stride_vh
-        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        m, l, acc = _softmax_start(BLOCK_G, BLOCK_D)
         for block_start in range(split_start, split_end, BLOCK_N):
             pos = block_start + offs_n
             kv_mask = pos < split_end
@@ -168,6 +174,16 @@ def _decode_merge_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, len_ptr, out_ptr,
              out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+def _check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """q [tokens, heads, head_dim] and K/V caches [slots, max_seq_len, kv_heads, head_dim] that agree;
+    returns the query heads per key/value head."""
+    check_shape("q", q, (None, None, None))
+    check_shape("k_cache", k_cache, (None, None, None, q.shape[2]))
+    check_shape("v_cache", v_cache, (k_cache.shape[0], k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]))
+    check_dtype(q.dtype, k_cache=k_cache, v_cache=v_cache)
+    return check_groups(q.shape[1], k_cache.shape[2])
+
+
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             slot_ids: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                             split_size: int = DECODE_SPLIT_SIZE) -> torch.Tensor:
@@ -182,9 +198,11 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     kernel_device_ok(q)
     if split_size <= 0 or split_size % DECODE_BLOCK_N:
         raise ValueError(f"split_size must be a positive multiple of {DECODE_BLOCK_N}, got {split_size}")
+    group = _check_attention_args(q, k_cache, v_cache)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    check_shape("slot_ids", slot_ids, (batch,))
+    check_shape("seq_lens", seq_lens, (batch,))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
@@ -239,9 +257,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, start_ptr, cu_ptr, t
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)
     k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
     v_base = v_ptr + slot * stride_vs + kv_head * stride_vh
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m, l, acc = _softmax_start(BLOCK_M, BLOCK_D)
     for block_start in range(0, last_pos + 1, BLOCK_N):
         pos = block_start + offs_n
         kv_mask = pos <= last_pos
@@ -279,7 +295,11 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     over a cached prefix, all give bit-identical rows.
     """
     kernel_device_ok(q)
+    group = _check_attention_args(q, k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
+    check_shape("slot_ids", slot_ids, (None,))
+    check_shape("start_positions", start_positions, (slot_ids.shape[0],))
+    check_shape("cu_seqlens", cu_seqlens, (slot_ids.shape[0] + 1,))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
@@ -287,7 +307,7 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     _prefill_kernel[(tile_seq.numel(), num_heads)](
         q, k_cache, v_cache, out, slot_ids, start_positions, cu_seqlens, tile_seq, tile_row,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), scale,
-        GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim,
+        GROUP=group, HEAD_DIM=head_dim,
         BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, BLOCK_D=_block_d(head_dim),
         DOT_PRECISION=_dot_precision(q.dtype), num_stages=2)
     return out

@@ -9,9 +9,8 @@ sequence (zeros for a new request), which precede the first new token.
 import torch
 import torch.nn.functional as F
 
-from .pointwise import elementwise_invariant
-
 from ._triton import kernel_device_ok, tl, triton
+from .pointwise import elementwise_invariant
 
 
 def _conv_window(window: torch.Tensor, weight: torch.Tensor, steps: int) -> torch.Tensor:

@@ -16,9 +16,9 @@ full-size chunks as the reference, its UT transform solved by forward substituti
 
 import torch
 
-from .pointwise import elementwise_invariant
-
 from ._triton import kernel_device_ok, tl, triton
+from .checks import check_dtype, check_groups, check_shape
+from .pointwise import elementwise_invariant
 
 CHUNK_SIZE = 64
 
@@ -56,6 +56,11 @@ def _chunk(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out, state
 
 
+def _full_chunk(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Positions lo..hi of x [H, n, ...], zero-padded to CHUNK_SIZE positions."""
+    return torch.cat([x[:, lo:hi], x.new_zeros(x.shape[0], CHUNK_SIZE - (hi - lo), *x.shape[2:])], dim=1)
+
+
 def _prefill_one(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                  beta: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence: q/k [H, n, Dk], v [H, n, Dv], g/beta [H, n] at positions start.. -> (out [H, n, Dv], state)."""
@@ -64,12 +69,8 @@ def _prefill_one(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     lo = 0
     while lo < n:
         hi = min(n, lo + CHUNK_SIZE - (start + lo) % CHUNK_SIZE)  # stop at the next absolute chunk boundary
-        pad = CHUNK_SIZE - (hi - lo)
-
-        def padded(x: torch.Tensor) -> torch.Tensor:
-            return torch.cat([x[:, lo:hi], x.new_zeros(x.shape[0], pad, *x.shape[2:])], dim=1)
-
-        out, state = _chunk(state, padded(q), padded(k), padded(v), padded(g), padded(beta))
+        q_c, k_c, v_c, g_c, beta_c = (_full_chunk(x, lo, hi) for x in (q, k, v, g, beta))
+        out, state = _chunk(state, q_c, k_c, v_c, g_c, beta_c)
         outs.append(out[:, :hi - lo])
         lo = hi
     return torch.cat(outs, dim=1), state
@@ -160,6 +161,22 @@ def _gated_delta_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr,
     tl.store(out_ptr + b * o_sb + h * o_sh + dv.to(tl.int64) * o_sd, out.to(out_ptr.dtype.element_ty), mask=dv_mask)
 
 
+def _check_gated_delta_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            states: torch.Tensor) -> int:
+    """q, k [tokens, key_heads, Dk], v [tokens, value_heads, Dv], g and beta [tokens, value_heads],
+    states fp32 [slots, value_heads, Dk, Dv]; returns the value heads per key head."""
+    check_shape("q", q, (None, None, None))
+    tokens, key_heads, dim_k = q.shape
+    check_shape("k", k, (tokens, key_heads, dim_k))
+    check_shape("v", v, (tokens, None, None))
+    num_v_heads, dim_v = v.shape[1], v.shape[2]
+    check_shape("g", g, (tokens, num_v_heads))
+    check_shape("beta", beta, (tokens, num_v_heads))
+    check_shape("states", states, (None, num_v_heads, dim_k, dim_v))
+    check_dtype(torch.float32, states=states)
+    return check_groups(num_v_heads, key_heads, "value heads", "key heads")
+
+
 def gated_delta_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                               beta: torch.Tensor, states: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
     """`gated_delta_decode_ref` in one launch: grid (B, Hv, Dv blocks of DECODE_BLOCK_DV).
@@ -169,8 +186,10 @@ def gated_delta_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     within the program, and the tile shape comes from Dk / Dv (model constants), never from B.
     """
     kernel_device_ok(q)
-    batch, key_heads, dim_k = q.shape
+    group = _check_gated_delta_args(q, k, v, g, beta, states)
+    batch, dim_k = q.shape[0], q.shape[2]
     num_v_heads, dim_v = v.shape[1], v.shape[2]
+    check_shape("slot_ids", slot_ids, (batch,))
     out = torch.empty((batch, num_v_heads, dim_v), dtype=v.dtype, device=v.device)
     if batch == 0:
         return out
@@ -179,7 +198,7 @@ def gated_delta_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _gated_delta_decode_kernel[grid](
         q, k, v, g, beta, states, slot_ids, out, *q.stride(), *k.stride(), *v.stride(), *g.stride(),
         *beta.stride(), *states.stride(), *out.stride(), dim_k ** -0.5,
-        GROUP=num_v_heads // key_heads, DK=dim_k, DV=dim_v, BLOCK_DK=triton.next_power_of_2(dim_k),
+        GROUP=group, DK=dim_k, DV=dim_v, BLOCK_DK=triton.next_power_of_2(dim_k),
         BLOCK_DV=block_dv)
     return out
 
@@ -265,10 +284,13 @@ def gated_delta_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     batch, and a prompt split at a multiple of CHUNK_SIZE runs exactly the same chunk computations.
     """
     kernel_device_ok(q)
-    key_heads, dim_k = q.shape[1], q.shape[2]
-    num_v_heads, dim_v = v.shape[1], v.shape[2]
-    out = torch.empty_like(v)
+    group = _check_gated_delta_args(q, k, v, g, beta, states)
+    dim_k, num_v_heads, dim_v = q.shape[2], v.shape[1], v.shape[2]
+    check_shape("slot_ids", slot_ids, (None,))
     batch = slot_ids.shape[0]
+    check_shape("start_positions", start_positions, (batch,))
+    check_shape("cu_seqlens", cu_seqlens, (batch + 1,))
+    out = torch.empty_like(v)
     if batch == 0 or v.shape[0] == 0:
         return out
     block_dv = min(max(triton.next_power_of_2(dim_v), 16), PREFILL_BLOCK_DV)
@@ -276,6 +298,6 @@ def gated_delta_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     _gated_delta_prefill_kernel[grid](
         q, k, v, g, beta, states, slot_ids, start_positions, cu_seqlens, out, *q.stride(), *k.stride(),
         *v.stride(), *g.stride(), *beta.stride(), *states.stride(), *out.stride(), dim_k ** -0.5,
-        GROUP=num_v_heads // key_heads, DK=dim_k, DV=dim_v, CHUNK=CHUNK_SIZE,
+        GROUP=group, DK=dim_k, DV=dim_v, CHUNK=CHUNK_SIZE,
         BLOCK_DK=max(triton.next_power_of_2(dim_k), 16), BLOCK_DV=block_dv, num_warps=PREFILL_NUM_WARPS)
     return out

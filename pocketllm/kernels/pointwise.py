@@ -9,7 +9,7 @@ through the scalar path, so a token's result no longer depends on its neighbours
 evaluate every element with the same code, so there the op runs as is.
 """
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

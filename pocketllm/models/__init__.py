@@ -3,7 +3,8 @@
 from .batch import ForwardBatch
 from .loader import CheckpointError, load_weights
 from .presets import PRESETS, write_checkpoint
+from .protocol import Model
 from .registry import ARCHITECTURES, build_model
 
-__all__ = ["ARCHITECTURES", "CheckpointError", "ForwardBatch", "PRESETS", "build_model", "load_weights",
+__all__ = ["ARCHITECTURES", "CheckpointError", "ForwardBatch", "Model", "PRESETS", "build_model", "load_weights",
            "write_checkpoint"]

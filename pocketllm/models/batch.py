@@ -27,7 +27,7 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], new_tokens: list[list[int]], is_decode: bool,
-              device: torch.device | str) -> "ForwardBatch":
+              device: torch.device | str) -> ForwardBatch:
         lengths = [len(t) for t in new_tokens]
         cu = [0]
         for n in lengths:

@@ -77,7 +77,7 @@ def random_weights(cfg: ModelConfig, seed: int, init_std: float = 0.02) -> dict[
     generator = torch.Generator().manual_seed(seed)
     zero_centred = cfg.architecture.startswith("Qwen3_5")
     weights = {}
-    for name, shape in ARCHITECTURES[cfg.architecture][1](cfg).items():
+    for name, shape in ARCHITECTURES[cfg.architecture].expected_weights(cfg).items():
         noise = torch.randn(shape, generator=generator)
         if name.endswith("A_log"):
             weights[name] = torch.log(1.0 + 3.0 * torch.rand(shape, generator=generator))
@@ -93,7 +93,8 @@ def random_weights(cfg: ModelConfig, seed: int, init_std: float = 0.02) -> dict[
     return weights
 
 
-def _multimodal(raw: dict[str, Any], weights: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def _multimodal(raw: dict[str, Any],
+                weights: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The Qwen3_5ForConditionalGeneration layout: text config nested, text weights under
     model.language_model., plus a vision and an MTP tensor that a loader must skip by rule."""
     text = {**raw, "model_type": "qwen3_5_text"}

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+Phase = Literal["prefill", "decode"]
 
 
 @dataclass(frozen=True)
 class SlotEvent:
     step: int
-    phase: str  # "prefill" or "decode"
+    phase: Phase
     slot: int
     request_id: int
     num_tokens: int  # tokens this request fed through the forward
@@ -24,11 +27,7 @@ class SlotEvent:
 def plot_timeline(events: list[SlotEvent], path: str | Path | None = None, title: str = "slot timeline"):
     """One row per slot, one bar per forward a request took part in (prefill dark, decode light),
     labelled by request id at its prefill. Returns the matplotlib figure; saves it when `path` is given."""
-    import matplotlib
-
-    if path is not None:
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # the process's backend as it is: a notebook keeps its own
 
     slots = sorted({e.slot for e in events})
     fig, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * max(len(slots), 1)))

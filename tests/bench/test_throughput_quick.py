@@ -7,13 +7,13 @@ and every output was written.
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
 
-pytest.importorskip("matplotlib")
-
-from pocketllm.benchmark import main  # noqa: E402
+from pocketllm.bench import command, main
+from pocketllm.bench.workloads import summarize
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -29,6 +29,7 @@ def one_torch_thread():
 
 
 def test_quick_benchmark_writes_report_and_plots(tmp_path, one_torch_thread):
+    pytest.importorskip("matplotlib")
     assert main(["--quick", "--out", str(tmp_path)]) == 0
 
     report = json.loads((tmp_path / "throughput.json").read_text())
@@ -59,3 +60,34 @@ def test_quick_benchmark_writes_report_and_plots(tmp_path, one_torch_thread):
     assert "| single-request latency, batched (caller-driven step()) / serial |" in md
     for concurrency, goal in ((2, "1.7"), (4, "3.0")):
         assert f"| concurrency {concurrency} / 1 |" in md and f">= {goal}x" in md
+
+
+def test_plain_install_writes_report_says_what_it_skipped(tmp_path, monkeypatch, capsys):
+    """Without matplotlib and transformers (a plain `pip install pocketllm`), the benchmark writes
+    its JSON and Markdown, names what it skipped and the extra that brings it, and exits 0. The
+    runs are stubbed: this test is about what the benchmark does without the extras."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "transformers", None)
+
+    def fake_runs(path, scale, workloads, hf_model, timeline):
+        assert hf_model is None
+        runs = []
+        for w in workloads:
+            samples = [(0.01, 0.1, n) for n in w.output_lens]
+            runs.append(summarize(w, "pocketllm", "serial", 1, 1.0, samples))
+            runs += [summarize(w, "pocketllm", "batched", c, 1.0 / c, samples) for c in scale.concurrencies]
+        return {"serial_s": 1.0, "batched_thread_s": 1.0, "batched_caller_s": 1.0}, runs
+
+    monkeypatch.setattr(command, "run_all", fake_runs)
+    assert main(["--quick", "--out", str(tmp_path)]) == 0
+
+    err = capsys.readouterr().err
+    assert "skipping plots: matplotlib is not installed: pip install 'pocketllm[plot]'" in err
+    assert "skipping transformers baseline: transformers is not installed: pip install 'pocketllm[baseline]'" in err
+    report = json.loads((tmp_path / "throughput.json").read_text())
+    assert set(report["skipped"]) == {"plots", "transformers_baseline"}
+    assert report["vs_transformers"] is None and not report["config"]["transformers_baselines"]
+    md = (tmp_path / "throughput.md").read_text()
+    assert "## The seed's table" in md
+    assert "Skipped plots: matplotlib is not installed: pip install 'pocketllm[plot]'." in md
+    assert not list(tmp_path.glob("*.png"))

@@ -133,12 +133,12 @@ def test_gpu_qwen3_5_batched_equals_serial(tmp_path, dtype):
 
 @pytest.mark.gpu
 @requires_cuda
-def test_gpu_greedy_matches_transformers_fp32(gpu_checkpoint):
+def test_gpu_greedy_matches_transformers_fp32(gpu_checkpoint, monkeypatch):
     """On CUDA in fp32 (IEEE dots), the triton backend's greedy tokens equal transformers'."""
     prompt = list(range(100, 400))
     llm = LLM(EngineArgs(model=str(gpu_checkpoint), backend="triton", device="cuda", max_seq_len=512))
     result = llm.generate(prompt_tokens=prompt, sampling_params=SamplingParams(max_tokens=24, temperature=0.0,
                                                                                ignore_eos=True))
-    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # restored after the test
     assert result.token_ids == hf_greedy(gpu_checkpoint, prompt, 24, device="cuda")
 

@@ -1,0 +1,98 @@
+"""Throughput and latency benchmark (`pocketllm bench`, `bench/throughput.py`).
+
+Why it exists: to show, with measured numbers, what continuous batching buys over the serial
+path and over `transformers` generate, and whether the seed's goals are met on this machine.
+
+Three seeded workloads (fixed, uniform random and heavy-tailed lengths) run on a random-weight
+checkpoint written into a temporary directory (nothing is downloaded): serially, then batched at
+each max_batch_size with every request submitted at once; `transformers` generate on the same
+checkpoint runs them one at a time and in static, left-padded batches. Every request is greedy
+and generates exactly its planned number of tokens (ignore_eos; min_new_tokens in transformers).
+
+All requests of a run arrive together, so TTFT counts from that moment (queueing included);
+TPOT = (total time - TTFT) / (tokens - 1) per request, averaged. A static batch hands its results
+back when its longest request is done, so that is every request's total time there, and only the
+tokens each request asked for count towards tokens/s. Each run is measured once after a warm-up.
+
+Writes throughput.json and throughput.md into --out, and with matplotlib (`pocketllm[plot]`)
+throughput_vs_concurrency.png, ttft_distribution.png and slot_timeline.png; the transformers
+baseline needs `pocketllm[baseline]`. What is missing is skipped, said, and recorded in the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..config import ModelConfig
+from ..models import PRESETS, write_checkpoint
+from ..scheduler import SlotEvent
+from .baseline import load_transformers
+from .report import load_average, machine_info, seed_table, vs_transformers, write_report
+from .runners import MAX_SEQ_LEN, TIMELINE_BATCH, run_all
+from .workloads import SCALES, make_workloads
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pocketllm bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help=f"checkpoint preset (default {SCALES['full'].preset}; "
+                             f"{SCALES['quick'].preset} with --quick)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"), help="output directory")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny preset, 8 requests per workload, max_batch_size 1, 2, 4: under a minute")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the checkpoint weights and the workloads")
+    parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
+    return parser
+
+
+def missing_extras(no_transformers: bool) -> dict[str, str]:
+    """What this install cannot do -> why, said before the run and recorded in the report."""
+    skipped = {}
+    if importlib.util.find_spec("matplotlib") is None:
+        skipped["plots"] = "matplotlib is not installed: pip install 'pocketllm[plot]'"
+    if no_transformers:
+        skipped["transformers_baseline"] = "--no-transformers"
+    elif importlib.util.find_spec("transformers") is None:
+        skipped["transformers_baseline"] = "transformers is not installed: pip install 'pocketllm[baseline]'"
+    return skipped
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and write what this install can: 0 also when plots or the baseline are skipped."""
+    args = build_parser().parse_args(argv)
+    skipped = missing_extras(args.no_transformers)
+    for part, why in skipped.items():
+        print(f"pocketllm bench: skipping {part.replace('_', ' ')}: {why}", file=sys.stderr)
+    scale = SCALES["quick" if args.quick else "full"]
+    preset = args.preset or scale.preset
+    machine = machine_info()
+    timeline: list[SlotEvent] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_checkpoint(Path(tmp) / preset, preset, seed=args.seed)
+        workloads = make_workloads(scale.requests, ModelConfig.from_dir(path).vocab_size, args.seed)
+        hf_model = None if "transformers_baseline" in skipped else load_transformers(path)
+        latency, runs = run_all(path, scale, workloads, hf_model, timeline)
+    machine["load_average_1min_at_end"] = load_average()
+    config = {"preset": preset, "seed": args.seed, "quick": args.quick, "concurrencies": list(scale.concurrencies),
+              "requests_per_workload": scale.requests, "latency_repeats": scale.latency_repeats,
+              "max_seq_len": MAX_SEQ_LEN, "transformers_baselines": hf_model is not None,
+              "timeline": {"workload": "random", "max_batch_size": TIMELINE_BATCH, "events": len(timeline)}}
+    report: dict[str, Any] = {
+        "machine": machine, "config": config, "skipped": skipped,
+        "workloads": {w.name: w.summary() for w in workloads}, "latency": latency,
+        "seed_table": seed_table(latency, runs),
+        "vs_transformers": vs_transformers(runs, workloads, scale.concurrencies),
+        "runs": [dataclasses.asdict(r) for r in runs]}
+    print(write_report(args.out, report, workloads, runs))
+    if "plots" not in skipped:
+        from .plots import write_plots
+
+        write_plots(args.out, workloads, runs, timeline)
+    return 0

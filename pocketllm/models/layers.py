@@ -1,0 +1,269 @@
+"""Blocks every Qwen-family decoder is built from, so an architecture file holds only what is its own.
+
+- `DecoderModel`: embedding -> blocks -> final RMSNorm -> lm_head; the RoPE table; the cache
+  layout gathered from the blocks' mixers. A subclass says how one layer is built.
+- `DecoderBlock`: pre-norm residual block, `x + mixer(norm(x))` then `x + mlp(norm(x))`.
+- `Attention`: GQA full attention over the slot cache (fused qkv, per-head q/k RMSNorm, RoPE and
+  the K/V write in one op, prefill or decode attention, o_proj), with an optional output gate.
+- `SwiGLU`: the gated MLP, gate and up fused into one matrix.
+- `attention`, `conv1d`, `gated_delta`: the one place a paired op is picked by the batch's phase.
+
+Each block also lists the checkpoint tensors it reads (`weight_shapes`), beside the code that reads
+them. The ops run in a fixed order the invariance tests rely on; a refactor here must keep it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..cache import AttentionCacheSpec, LayerCacheSpec, SlotCache
+from ..config import ModelConfig
+from ..kernels import Ops
+from ..kernels.pointwise import elementwise_invariant
+from ..kernels.rope import rope_table
+from .batch import ForwardBatch
+
+Weights = dict[str, torch.Tensor]
+Shapes = dict[str, tuple[int, ...]]
+NormWeight = Callable[[torch.Tensor], torch.Tensor]  # how a checkpoint's RMSNorm weight is prepared
+
+
+def as_is(weight: torch.Tensor) -> torch.Tensor:
+    """RMSNorm weights used as the checkpoint stores them."""
+    return weight
+
+
+def layer_state(states: list[torch.Tensor | None], layer: int) -> torch.Tensor:
+    """One layer's slot tensor (`cache.k`, `cache.conv`, ...); None there means the cache was
+    built from another model's layer specs."""
+    state = states[layer]
+    if state is None:
+        raise ValueError(f"the slot cache has no such state for layer {layer}: it was built for another model")
+    return state
+
+
+# -- prefill/decode dispatch of paired ops -----------------------------------------------------
+
+def attention(ops: Ops, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+              scale: float) -> torch.Tensor:
+    """Attention of the batch's new tokens over their slots' K/V (already written)."""
+    if batch.is_decode:
+        return ops.decode_attention(q, k_cache, v_cache, batch.slot_ids, batch.start_positions + 1, scale)
+    return ops.prefill_attention(q, k_cache, v_cache, batch.slot_ids, batch.start_positions, batch.cu_seqlens, scale)
+
+
+def conv1d(ops: Ops, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """Depthwise causal conv (with SiLU) continuing each slot's conv state."""
+    if batch.is_decode:
+        return ops.conv1d_decode(x, weight, state, batch.slot_ids)
+    return ops.conv1d_prefill(x, weight, state, batch.slot_ids, batch.cu_seqlens)
+
+
+def gated_delta(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """The gated delta rule over each slot's recurrent state."""
+    if batch.is_decode:
+        return ops.gated_delta_decode(q, k, v, g, beta, state, batch.slot_ids)
+    return ops.gated_delta_prefill(q, k, v, g, beta, state, batch.slot_ids, batch.start_positions, batch.cu_seqlens)
+
+
+# -- blocks ------------------------------------------------------------------------------------
+
+class Mixer(Protocol):
+    """The token-mixing half of a block (attention, Gated DeltaNet, ...)."""
+
+    @property
+    def cache_spec(self) -> LayerCacheSpec:
+        """What the mixer keeps per slot."""
+        ...
+
+    def linear_weights(self) -> tuple[torch.Tensor, ...]:
+        """The matrices it multiplies through `ops.linear`."""
+        ...
+
+    def forward(self, ops: Ops, x: torch.Tensor, batch: ForwardBatch, cache: SlotCache, layer: int) -> torch.Tensor:
+        ...
+
+
+class FeedForward(Protocol):
+    """The per-token half of a block (a dense MLP today; experts later)."""
+
+    def linear_weights(self) -> tuple[torch.Tensor, ...]:
+        """The matrices it multiplies through `ops.linear`."""
+        ...
+
+    def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
+        ...
+
+
+@dataclass(frozen=True)
+class Rope:
+    """cos/sin tables [max_seq_len, rotary_dim / 2], shared by every attention layer of a model."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, max_seq_len: int, device: torch.device) -> Rope:
+        return cls(*rope_table(cfg.rotary_dim, max_seq_len, cfg.rope_theta, device=device))
+
+
+class Attention:
+    """GQA attention over the slot cache. `gated`: q_proj yields per head [query, gate] and the
+    output is multiplied by sigmoid(gate) before o_proj (Qwen3.5)."""
+
+    def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, rope: Rope, norm_weight: NormWeight = as_is,
+                 gated: bool = False) -> None:
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.eps, self.scale, self.rope, self.gated = cfg.rms_norm_eps, cfg.head_dim ** -0.5, rope, gated
+        self.qkv = torch.cat([w[prefix + n] for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight")])
+        bias = cfg.attention_bias
+        self.qkv_bias = (torch.cat([w[prefix + n] for n in ("q_proj.bias", "k_proj.bias", "v_proj.bias")])
+                         if bias else None)
+        self.o_proj = w[prefix + "o_proj.weight"]
+        self.o_proj_bias = w[prefix + "o_proj.bias"] if bias else None
+        self.q_norm = norm_weight(w[prefix + "q_norm.weight"])
+        self.k_norm = norm_weight(w[prefix + "k_norm.weight"])
+        self.cache_spec = AttentionCacheSpec(self.kv_heads, self.head_dim)
+
+    @staticmethod
+    def weight_shapes(cfg: ModelConfig, prefix: str, gated: bool = False) -> Shapes:
+        hidden, d = cfg.hidden_size, cfg.head_dim
+        q_out, kv_out = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+        shapes: Shapes = {
+            prefix + "q_proj.weight": ((2 if gated else 1) * q_out, hidden),
+            prefix + "k_proj.weight": (kv_out, hidden),
+            prefix + "v_proj.weight": (kv_out, hidden),
+            prefix + "o_proj.weight": (hidden, q_out),
+            prefix + "q_norm.weight": (d,),
+            prefix + "k_norm.weight": (d,),
+        }
+        if cfg.attention_bias:
+            shapes.update({prefix + "q_proj.bias": (q_out,), prefix + "k_proj.bias": (kv_out,),
+                           prefix + "v_proj.bias": (kv_out,), prefix + "o_proj.bias": (hidden,)})
+        return shapes
+
+    def linear_weights(self) -> tuple[torch.Tensor, ...]:
+        return self.qkv, self.o_proj
+
+    def forward(self, ops: Ops, x: torch.Tensor, batch: ForwardBatch, cache: SlotCache, layer: int) -> torch.Tensor:
+        tokens, d, heads, kv_heads = x.shape[0], self.head_dim, self.heads, self.kv_heads
+        k_cache, v_cache = layer_state(cache.k, layer), layer_state(cache.v, layer)
+        q_width = (2 if self.gated else 1) * heads * d
+        q, k, v = ops.linear(x, self.qkv, self.qkv_bias).split([q_width, kv_heads * d, kv_heads * d], dim=-1)
+        gate = None
+        if self.gated:
+            query_gate = q.reshape(tokens, heads, 2 * d)
+            q, gate = query_gate[..., :d], query_gate[..., d:].reshape(tokens, heads * d)
+        else:
+            q = q.reshape(tokens, heads, d)
+        q = ops.rms_norm(q, self.q_norm, self.eps)
+        k = ops.rms_norm(k.reshape(tokens, kv_heads, d), self.k_norm, self.eps)
+        q = ops.rope_write_kv(q, k, v.reshape(tokens, kv_heads, d), batch.positions, self.rope.cos, self.rope.sin,
+                              k_cache, v_cache, batch.token_slots)
+        out = attention(ops, q, k_cache, v_cache, batch, self.scale).reshape(tokens, heads * d)
+        if gate is not None:
+            out = out * elementwise_invariant(torch.sigmoid, gate)
+        return ops.linear(out, self.o_proj, self.o_proj_bias)
+
+
+class SwiGLU:
+    """down(silu(gate(x)) * up(x)), gate and up fused."""
+
+    def __init__(self, w: Weights, prefix: str) -> None:
+        self.gate_up = torch.cat([w[prefix + "gate_proj.weight"], w[prefix + "up_proj.weight"]])
+        self.down = w[prefix + "down_proj.weight"]
+
+    @staticmethod
+    def weight_shapes(cfg: ModelConfig, prefix: str) -> Shapes:
+        hidden, inner = cfg.hidden_size, cfg.intermediate_size
+        return {prefix + "gate_proj.weight": (inner, hidden), prefix + "up_proj.weight": (inner, hidden),
+                prefix + "down_proj.weight": (hidden, inner)}
+
+    def linear_weights(self) -> tuple[torch.Tensor, ...]:
+        return self.gate_up, self.down
+
+    def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up)), self.down)
+
+
+class DecoderBlock:
+    """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, w: Weights, prefix: str, mixer: Mixer, mlp: FeedForward, norm_weight: NormWeight) -> None:
+        self.input_norm = norm_weight(w[prefix + "input_layernorm.weight"])
+        self.post_attention_norm = norm_weight(w[prefix + "post_attention_layernorm.weight"])
+        self.mixer = mixer
+        self.mlp = mlp
+
+    @staticmethod
+    def weight_shapes(cfg: ModelConfig, prefix: str) -> Shapes:
+        """The block's own norms and its SwiGLU MLP; the mixer lists its own."""
+        return {prefix + "input_layernorm.weight": (cfg.hidden_size,),
+                prefix + "post_attention_layernorm.weight": (cfg.hidden_size,),
+                **SwiGLU.weight_shapes(cfg, prefix + "mlp.")}
+
+    def forward(self, ops: Ops, hidden: torch.Tensor, batch: ForwardBatch, cache: SlotCache, layer: int,
+                eps: float) -> torch.Tensor:
+        hidden = hidden + self.mixer.forward(ops, ops.rms_norm(hidden, self.input_norm, eps), batch, cache, layer)
+        return hidden + self.mlp.forward(ops, ops.rms_norm(hidden, self.post_attention_norm, eps))
+
+
+class DecoderModel:
+    """Runs a ForwardBatch through the decoder and returns the logits of each sequence's last token.
+
+    Subclasses implement `build_block`, and `norm_weight` where RMSNorm weights need preparing.
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: Weights, ops: Ops, max_seq_len: int, prefix: str = "model.") -> None:
+        self.cfg = cfg
+        self.ops = ops
+        self.embed = weights[prefix + "embed_tokens.weight"]
+        self.final_norm = self.norm_weight(weights[prefix + "norm.weight"])
+        self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.rope = Rope.build(cfg, max_seq_len, self.embed.device)
+        self.blocks = [self.build_block(weights, f"{prefix}layers.{i}.", kind)
+                       for i, kind in enumerate(cfg.layer_types)]
+
+    @staticmethod
+    def weight_shapes(cfg: ModelConfig, prefix: str = "model.") -> Shapes:
+        """Embedding, final norm and (untied) lm_head."""
+        shapes: Shapes = {prefix + "embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size),
+                          prefix + "norm.weight": (cfg.hidden_size,)}
+        if not cfg.tie_word_embeddings:
+            shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+        return shapes
+
+    def build_block(self, weights: Weights, prefix: str, kind: str) -> DecoderBlock:
+        """Layer `prefix` of kind `kind` ("full_attention", "linear_attention", ...)."""
+        raise NotImplementedError
+
+    def norm_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """An RMSNorm weight as the model uses it: as the checkpoint stores it, unless overridden."""
+        return weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def linear_weights(self) -> list[torch.Tensor]:
+        """Every matrix multiplied through `ops.linear`, block by block, lm_head last."""
+        return [w for block in self.blocks for part in (block.mixer, block.mlp) for w in part.linear_weights()] + [
+            self.lm_head]
+
+    def cache_specs(self) -> list[LayerCacheSpec]:
+        """What each layer keeps per slot, as its mixer says."""
+        return [block.mixer.cache_spec for block in self.blocks]
+
+    def forward(self, batch: ForwardBatch, cache: SlotCache) -> torch.Tensor:
+        """-> fp32 logits [B, vocab]."""
+        ops, eps = self.ops, self.cfg.rms_norm_eps
+        hidden = ops.embedding(batch.input_ids, self.embed)
+        for index, block in enumerate(self.blocks):
+            hidden = block.forward(ops, hidden, batch, cache, index, eps)
+        last = hidden.index_select(0, batch.last_token_indices)
+        return ops.linear(ops.rms_norm(last, self.final_norm, eps), self.lm_head).float()

@@ -1,0 +1,87 @@
+"""Typed options, parsed once from the `backend_options` dict of `EngineArgs`.
+
+`backend_options` keeps the name and flat dict shape of the C++ design; each key belongs to one
+of two groups, and the engine reads the typed, frozen group, never the dict:
+- `EngineOptions`: how the engine runs requests (cache slots, the batch scheduler, its thread,
+  its timeline). Read by `LLM` when it builds the cache and the scheduler.
+- `BackendOptions`: how the backend's op table is built. Read by `LLM` when it calls `kernels.get_ops`.
+Every option's default, meaning and allowed range live in its field below, and nowhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+def _option(default: Any, doc: str, low: int | None = None, high: int | None = None) -> Any:
+    """A dataclass field carrying its meaning and, for ints, its allowed range."""
+    return field(default=default, metadata={"doc": doc, "range": None if low is None else (low, high)})
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the engine runs requests: cache slots and the batch scheduler."""
+
+    enable_batching: bool = _option(False, "route generate() through the batch scheduler")
+    max_batch_size: int = _option(8, "number of cache slots: the most requests running at once", 1, 1024)
+    background_thread: bool = _option(True, "batched mode: a thread drives the scheduler loop")
+    record_timeline: bool = _option(False, "batched mode: record which slot ran which request at each step")
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """How the backend's op table is built."""
+
+    batch_invariant: bool = _option(True, "torch backend: fixed-shape row tiles so results do not depend on the batch")
+    invariance_probe: bool = _option(True, "torch backend: check at start-up that the row-wise ops are invariant here")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Both groups, as parsed from one `backend_options` dict."""
+
+    engine: EngineOptions = EngineOptions()
+    backend: BackendOptions = BackendOptions()
+
+    def as_dict(self) -> dict[str, Any]:
+        """The flat `backend_options` form, every key filled in."""
+        return {f.name: getattr(group, f.name) for group in (self.engine, self.backend) for f in fields(group)}
+
+
+GROUPS = (EngineOptions, BackendOptions)
+KNOWN = {f.name: f for group in GROUPS for f in fields(group)}
+
+
+def parse_backend_options(raw: Mapping[str, Any] | None) -> Options:
+    """Check every key and value of `raw` (None: all defaults) and fill in the defaults.
+
+    Unknown keys raise ValueError listing the known ones. A bool option given anything but a bool
+    raises TypeError; an int option given anything but an int in its range (a bool included, which
+    Python counts as an int) raises ValueError."""
+    raw = {} if raw is None else raw
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"backend_options must be a dict, got {type(raw).__name__}")
+    unknown = set(raw) - set(KNOWN)
+    if unknown:
+        raise ValueError(f"unknown backend_options {sorted(unknown)}; allowed: {sorted(KNOWN)}")
+    for name, value in raw.items():
+        _check(name, value)
+    return Options(EngineOptions(**_given(EngineOptions, raw)), BackendOptions(**_given(BackendOptions, raw)))
+
+
+def _given(group: type, raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys of `raw` that belong to `group`; the others keep their defaults."""
+    return {f.name: raw[f.name] for f in fields(group) if f.name in raw}
+
+
+def _check(name: str, value: Any) -> None:
+    spec = KNOWN[name]
+    if isinstance(spec.default, bool):
+        if not isinstance(value, bool):
+            raise TypeError(f"backend_options[{name!r}] must be a bool, got {value!r}")
+        return
+    low, high = spec.metadata["range"]
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"backend_options[{name!r}] must be an int in [{low}, {high}], got {value!r}")

@@ -1,0 +1,38 @@
+"""backend_options is parsed once into typed, frozen engine and backend options."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pocketllm import EngineArgs
+from pocketllm.options import BackendOptions, EngineOptions, Options, parse_backend_options
+
+
+def test_none_and_empty_mean_defaults():
+    assert parse_backend_options(None) == parse_backend_options({}) == Options()
+    args = EngineArgs(model="x", backend_options=None)
+    assert args.options == Options(EngineOptions(), BackendOptions())
+    assert args.backend_options == {"enable_batching": False, "max_batch_size": 8, "background_thread": True,
+                                    "record_timeline": False, "batch_invariant": True}
+
+
+def test_keys_go_to_their_group_and_the_options_are_frozen():
+    options = EngineArgs(model="x", backend_options={"max_batch_size": 3, "batch_invariant": False}).options
+    assert options.engine == EngineOptions(max_batch_size=3)
+    assert options.backend == BackendOptions(batch_invariant=False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.engine.max_batch_size = 4  # type: ignore[misc]
+
+
+def test_unknown_key_lists_every_known_one():
+    known = sorted(f.name for group in (EngineOptions, BackendOptions) for f in dataclasses.fields(group))
+    with pytest.raises(ValueError, match=r"unknown backend_options \['slots'\]; allowed: ") as info:
+        parse_backend_options({"slots": 2})
+    assert str(known) in str(info.value)
+
+
+def test_not_a_dict_is_refused():
+    with pytest.raises(TypeError, match="backend_options must be a dict, got list"):
+        parse_backend_options([("max_batch_size", 2)])  # type: ignore[arg-type]
