@@ -5,8 +5,17 @@ Randomness is counter-based: the noise for vocabulary entry v of a row is a hash
 rows or steps, so a request samples the same token whatever batch it runs in, and a kernel can
 reproduce the noise bit for bit from integers alone.
 
-The hash is a 32-bit integer mixer evaluated in int64 arithmetic whose every intermediate stays
-below 2^63 (multiplications are split into 16-bit halves), so it never relies on overflow.
+The draw, exactly. mix is the lowbias32 integer mixer on 32-bit values (x ^= x >> 16;
+x *= 0x7FEB352D; x ^= x >> 15; x *= 0x846CA68B; x ^= x >> 16; products mod 2^32). For a row with
+64-bit seed s and position p, key = mix(s_lo ^ mix(s_hi ^ mix(p ^ 0x9E3779B9))) (s_lo, s_hi: the
+low and high 32 bits of s), and entry v's uniform is u_v = ((mix(key ^ mix(v)) >> 8) + 0.5) / 2^24.
+The token is the first argmax, over the entries that top-k and top-p allow, of
+logits_v / temperature - log(-log(u_v)) (Gumbel-max). The position is the index of the token
+being sampled in its sequence: after a prompt of n tokens, the first generated token has
+position n, the next n + 1.
+
+The hash is evaluated in int64 arithmetic whose every intermediate stays below 2^63
+(multiplications are split into 16-bit halves), so it never relies on overflow.
 
 `sample_triton` is the Triton kernel: one program per row, the same hash in uint32 arithmetic,
 top-k / top-p as thresholds found by a search over sort keys instead of a sort.
