@@ -69,3 +69,22 @@ def test_remembered_tokens_are_a_copy():
     cache.free(cache.allocate(), tokens)
     tokens.append(4)
     assert cache.slot_tokens[0] == [1, 2, 3]
+
+
+def test_every_tensor_is_on_the_requested_device():
+    """On another device (the meta device stands in for a GPU here) every slot tensor lives there."""
+    cache = SlotCache(2, 4, LAYERS, torch.float32, device="meta")
+    for t in (cache.k[0], cache.v[0], cache.conv[1], cache.recurrent[1]):
+        assert t.device.type == "meta"
+    assert cache.allocate() == 0  # zeroing works there too
+
+
+def test_recurrent_state_is_fp32_whatever_the_default_dtype():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        cache = SlotCache(1, 4, LAYERS, torch.bfloat16)
+    finally:
+        torch.set_default_dtype(previous)
+    assert cache.recurrent[1].dtype == torch.float32
+    assert cache.k[0].dtype == cache.conv[1].dtype == torch.bfloat16

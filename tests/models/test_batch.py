@@ -32,3 +32,15 @@ def test_build_decode_rows():
     assert batch.is_decode is True
     assert batch.positions.tolist() == [7, 40] and batch.token_slots.tolist() == [1, 3]
     assert batch.cu_seqlens.tolist() == [0, 1, 2] and batch.last_token_indices.tolist() == [0, 1]
+
+
+def test_build_on_another_device_and_empty():
+    """Every tensor is made on the requested device (meta stands in for a GPU), and index tensors
+    stay int64 even for an empty batch."""
+    batch = ForwardBatch.build([0], [3], [[4, 5]], False, "meta")
+    for name in ("input_ids", "positions", "token_slots", "slot_ids", "start_positions", "cu_seqlens",
+                 "last_token_indices"):
+        assert getattr(batch, name).device.type == "meta", name
+    empty = ForwardBatch.build([], [], [], True, "cpu")
+    assert all(getattr(empty, name).dtype == torch.int64 for name in ("input_ids", "positions", "slot_ids"))
+    assert empty.cu_seqlens.tolist() == [0] and empty.input_ids.numel() == 0

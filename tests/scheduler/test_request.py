@@ -99,6 +99,7 @@ def test_validate_prompt_accepts_and_copies():
 
 @pytest.mark.parametrize("prompt,params,error,message", [
     ([1], None, TypeError, r"sampling_params must be a SamplingParams, got NoneType"),
+    ([1], "greedy", TypeError, r"sampling_params must be a SamplingParams, got str"),
     ("abc", PARAMS, TypeError, r"prompt_tokens must be a list of ints, got str"),
     (b"ab", PARAMS, TypeError, r"prompt_tokens must be a list of ints, got bytes"),
     (5, PARAMS, TypeError, r"prompt_tokens must be a list of ints, got int"),
@@ -111,5 +112,5 @@ def test_validate_prompt_accepts_and_copies():
     ([1, 2, 3, 4], PARAMS, ValueError, r"prompt length 4 \+ max_tokens 4 exceeds max_seq_len 7"),
 ])
 def test_validate_prompt_refuses(prompt, params, error, message):
-    with pytest.raises(error, match=message):
+    with pytest.raises(error, match=f"^{message}$"):  # the whole message: nothing added around it
         validate_prompt(prompt, params, vocab_size=100, max_seq_len=7)
