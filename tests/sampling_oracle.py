@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 MASK32 = 0xFFFFFFFF
 POSITION_SALT = 0x9E3779B9
+MAX_UNIFORM = 1.0 - 2.0**-24
 GUMBEL_ERROR = 1e-5  # the sampler evaluates -log(-log u) in fp32; this bounds its error (|g| < 18)
 
 
@@ -29,9 +30,11 @@ def mix(x: int) -> int:
 
 
 def uniforms(seed: int, position: int, vocab: int) -> list[float]:
-    """u_v for v in [0, vocab): a hash of (seed, position, v), strictly inside (0, 1)."""
+    """u_v for v in [0, vocab): a hash of (seed, position, v), strictly inside (0, 1): the 24-bit
+    draw plus one half, over 2^24, capped at the largest fp32 below 1 (exact here; fp32 rounds the
+    draws of 2^23 and above to an even neighbour, never by more than 2^-25)."""
     key = mix((seed & MASK32) ^ mix(((seed >> 32) & MASK32) ^ mix((position & MASK32) ^ POSITION_SALT)))
-    return [((mix(key ^ mix(v)) >> 8) + 0.5) / 2**24 for v in range(vocab)]
+    return [min(((mix(key ^ mix(v)) >> 8) + 0.5) / 2**24, MAX_UNIFORM) for v in range(vocab)]
 
 
 @dataclass(frozen=True)
