@@ -24,9 +24,9 @@ declare -A TESTS=(
   [pocketllm.models.batch]="tests/models/test_batch.py tests/scheduler/test_slot_state.py"
   [pocketllm.scheduler.request]="tests/scheduler/test_request.py tests/scheduler/test_slot_state.py tests/scheduler/test_lifecycle.py"
   [pocketllm.scheduler.batch_scheduler]="tests/scheduler"
-  [pocketllm.kernels.sampling]="tests/kernels/test_sampling.py tests/kernels/test_sampling_boundaries.py"
+  [pocketllm.kernels.sampling]="tests/kernels/test_sampling.py tests/kernels/test_sampling_boundaries.py tests/kernels/test_sampling_spec.py"
   [pocketllm.kernels.rmsnorm]="tests/kernels/test_ops_reference.py"
-  [pocketllm.kernels.rope]="tests/kernels/test_ops_reference.py"
+  [pocketllm.kernels.rope]="tests/kernels/test_ops_reference.py tests/kernels/test_rope_reference.py"
   [pocketllm.kernels.attention]="tests/kernels/test_ops_reference.py tests/kernels/test_split_invariance.py"
 )
 # In the kernel modules only the torch references are mutated (the Triton kernels are decorated
