@@ -25,7 +25,7 @@ declare -A TESTS=(
   [pocketllm.scheduler.request]="tests/scheduler/test_request.py tests/scheduler/test_slot_state.py tests/scheduler/test_lifecycle.py"
   [pocketllm.scheduler.batch_scheduler]="tests/scheduler"
   [pocketllm.kernels.sampling]="tests/kernels/test_sampling.py tests/kernels/test_sampling_boundaries.py tests/kernels/test_sampling_spec.py"
-  [pocketllm.kernels.rmsnorm]="tests/kernels/test_ops_reference.py"
+  [pocketllm.kernels.rmsnorm]="tests/kernels/test_ops_reference.py tests/kernels/test_norm_reference.py"
   [pocketllm.kernels.rope]="tests/kernels/test_ops_reference.py tests/kernels/test_rope_reference.py"
   [pocketllm.kernels.attention]="tests/kernels/test_ops_reference.py tests/kernels/test_split_invariance.py"
 )
