@@ -11,12 +11,24 @@ from hypothesis import HealthCheck, settings
 
 from pocketllm import write_checkpoint
 
-# Hypothesis: the default profile fits the CI budget; HYPOTHESIS_PROFILE=thorough runs ten times more.
+# Hypothesis profiles (HYPOTHESIS_PROFILE selects one; CI=true selects "ci" by default):
+#   default  40 examples per property: the local run;
+#   ci       40 examples per property, failing examples printed as reproduction blobs;
+#   thorough 400 examples per property (ten times more).
+# Every property takes its budget from the active profile through `budget`, so a profile reaches
+# all of them; a property that is expensive per example asks for a fraction of it.
 _RELAXED = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                                       HealthCheck.data_too_large])
 settings.register_profile("default", max_examples=40, **_RELAXED)
+settings.register_profile("ci", max_examples=40, print_blob=True, **_RELAXED)
 settings.register_profile("thorough", max_examples=400, **_RELAXED)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
+
+
+def budget(fraction: float = 1.0) -> int:
+    """Examples for one property: `fraction` of the active profile's max_examples (at least 1)."""
+    return max(1, int(settings().max_examples * fraction))
+
 
 # Checkpoint variants the model tests run on: tied/untied embeddings, GQA ratios 2/4/1, head dims 32/16/24.
 CHECKPOINT_VARIANTS = {

@@ -248,7 +248,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, start_ptr, cu_ptr, t
     rows = tile_row + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    row_mask = rows < num_rows
+    row_mask = (rows >= 0) & (rows < num_rows)
     d_mask = d < HEAD_DIM
     q_pos = start + rows
     last_pos = start + tl.minimum(tile_row + BLOCK_M, num_rows) - 1
@@ -270,15 +270,20 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, start_ptr, cu_ptr, t
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
-def _prefill_tiles(cu_seqlens: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Query tiles that never straddle two sequences: (sequence index, first row) per tile."""
+def _prefill_tiles(cu_seqlens: torch.Tensor, start_positions: torch.Tensor,
+                   block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query tiles that never straddle two sequences and sit at absolute positions (multiples of
+    block_m): (sequence index, first row) per tile, the first row relative to the sequence's first
+    new token (negative for a first tile that starts before it)."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    tiles = (lengths + block_m - 1) // block_m
+    first_abs = start_positions // block_m
+    tiles = torch.where(lengths > 0, (start_positions + lengths - 1) // block_m - first_abs + 1, 0)
     num_tiles = int(tiles.sum())
     device = cu_seqlens.device
     tile_seq = torch.repeat_interleave(torch.arange(len(tiles), device=device), tiles, output_size=num_tiles)
     first_tile = torch.cumsum(tiles, 0) - tiles
-    tile_row = (torch.arange(num_tiles, device=device) - first_tile[tile_seq]) * block_m
+    tile_abs = torch.arange(num_tiles, device=device) - first_tile[tile_seq] + first_abs[tile_seq]
+    tile_row = tile_abs * block_m - start_positions[tile_seq]
     return tile_seq, tile_row
 
 
@@ -287,9 +292,11 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
     """Varlen causal prefill attention over slotted caches, same semantics as `prefill_attention_ref`.
 
-    Row invariant by construction: tiles hold rows of one sequence only, key blocks sit at fixed
-    absolute positions (multiples of BLOCK_N from 0), and every operation on a row (its row of
-    q.K^T, max, exp, sum, its row of p.V) reads only that row. The blocks a tile walks past a row's
+    Row invariant by construction: tiles hold rows of one sequence only, query tiles and key blocks
+    sit at fixed absolute positions (multiples of BLOCK_M and BLOCK_N from 0), so a row always has
+    the same place in its tile (a dot product on the CPU interpreter computes rows differently by
+    their place in the tile), and every operation on a row (its row of q.K^T, max, exp, sum, its
+    row of p.V) reads only that row. The blocks a tile walks past a row's
     own position are fully masked for it and merge as exact no-ops, so a row's result is the same
     whichever rows share its tile: a sequence alone or in a batch, a prompt in one piece or in two
     over a cached prefix, all give bit-identical rows.
@@ -303,7 +310,7 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
-    tile_seq, tile_row = _prefill_tiles(cu_seqlens, PREFILL_BLOCK_M)
+    tile_seq, tile_row = _prefill_tiles(cu_seqlens, start_positions, PREFILL_BLOCK_M)
     _prefill_kernel[(tile_seq.numel(), num_heads)](
         q, k_cache, v_cache, out, slot_ids, start_positions, cu_seqlens, tile_seq, tile_row,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), scale,

@@ -5,8 +5,19 @@ Randomness is counter-based: the noise for vocabulary entry v of a row is a hash
 rows or steps, so a request samples the same token whatever batch it runs in, and a kernel can
 reproduce the noise bit for bit from integers alone.
 
-The hash is a 32-bit integer mixer evaluated in int64 arithmetic whose every intermediate stays
-below 2^63 (multiplications are split into 16-bit halves), so it never relies on overflow.
+The draw, exactly. mix is the lowbias32 integer mixer on 32-bit values (x ^= x >> 16;
+x *= 0x7FEB352D; x ^= x >> 15; x *= 0x846CA68B; x ^= x >> 16; products mod 2^32). For a row with
+64-bit seed s and position p, key = mix(s_lo ^ mix(s_hi ^ mix(p ^ 0x9E3779B9))) (s_lo, s_hi: the
+low and high 32 bits of s), and entry v's uniform is u_v = ((mix(key ^ mix(v)) >> 8) + 0.5) / 2^24,
+rounded to fp32 and capped at 1 - 2^-24 (the largest 24-bit draw rounds to 1.0 in fp32, whose
+Gumbel noise would be infinite).
+The token is the first argmax, over the entries that top-k and top-p allow, of
+logits_v / temperature - log(-log(u_v)) (Gumbel-max). The position is the index of the token
+being sampled in its sequence: after a prompt of n tokens, the first generated token has
+position n, the next n + 1.
+
+The hash is evaluated in int64 arithmetic whose every intermediate stays below 2^63
+(multiplications are split into 16-bit halves), so it never relies on overflow.
 
 `sample_triton` is the Triton kernel: one program per row, the same hash in uint32 arithmetic,
 top-k / top-p as thresholds found by a search over sort keys instead of a sort.
@@ -21,6 +32,7 @@ MASK32 = 0xFFFFFFFF
 _MUL_A = 0x7FEB352D
 _MUL_B = 0x846CA68B
 _POSITION_SALT = 0x9E3779B9
+MAX_UNIFORM = 1.0 - 2.0**-24  # the largest fp32 below 1
 
 
 def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
@@ -51,7 +63,7 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     """[B, V] fp32 uniforms in (0, 1), a pure function of (seed, position, vocab index)."""
     vocab = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
     bits = mix32(row_keys(seeds, positions)[:, None] ^ mix32(vocab)[None, :])
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return (((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))).clamp(max=MAX_UNIFORM)
 
 
 def allowed_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -154,7 +166,7 @@ def _search(row_ptr, vocab, temperature, z_max, kept_key, bound, MASS: tl.conste
 @triton.jit
 def _sample_kernel(logits_ptr, row_stride, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr, positions_ptr,
                    tokens_ptr, logprobs_ptr, noise_ptr, allowed_ptr, vocab,
-                   MUL_A: tl.constexpr, MUL_B: tl.constexpr, POSITION_SALT: tl.constexpr,
+                   MUL_A: tl.constexpr, MUL_B: tl.constexpr, POSITION_SALT: tl.constexpr, MAX_UNIFORM: tl.constexpr,
                    DEBUG: tl.constexpr, BLOCK: tl.constexpr):
     """Program b samples row b; see `sample_triton`."""
     row = tl.program_id(0).to(tl.int64)
@@ -211,7 +223,7 @@ def _sample_kernel(logits_ptr, row_stride, temperature_ptr, top_k_ptr, top_p_ptr
         for start in range(0, vocab, BLOCK):
             offs, mask, z, key = _load_scaled(row_ptr, start, vocab, temperature, BLOCK)
             bits = _mix32_u32(row_key ^ _mix32_u32(offs.to(tl.uint32), MUL_A, MUL_B), MUL_A, MUL_B)
-            uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / (1 << 24))
+            uniform = tl.minimum(((bits >> 8).to(tl.float32) + 0.5) * (1.0 / (1 << 24)), MAX_UNIFORM)
             allowed = mask & (key >= threshold)
             score = tl.where(allowed, z + -tl.log(-tl.log(uniform)), float("-inf"))
             block_max = tl.max(score, axis=0)
@@ -250,7 +262,7 @@ def _launch_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
             logits, logits.stride(0), column(temperature, torch.float32), column(top_k, torch.int64),
             column(top_p, torch.float32), column(seeds, torch.int64), column(positions, torch.int64),
             tokens, logprobs, noise, allowed, vocab,
-            MUL_A=_MUL_A, MUL_B=_MUL_B, POSITION_SALT=_POSITION_SALT, DEBUG=debug, BLOCK=BLOCK_V, num_warps=8)
+            MUL_A=_MUL_A, MUL_B=_MUL_B, POSITION_SALT=_POSITION_SALT, MAX_UNIFORM=MAX_UNIFORM, DEBUG=debug, BLOCK=BLOCK_V, num_warps=8)
     return tokens, logprobs, noise, allowed.bool()
 
 

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 from hypothesis import given, settings, strategies as st
+
+from conftest import budget
 from tokenizers import Tokenizer
 
 from pocketllm import LLM, EngineArgs, SamplingParams, write_checkpoint
@@ -37,7 +39,7 @@ def serial(tiny_checkpoint) -> LLM:
 # -- the written tokenizer ------------------------------------------------------------------------------
 
 
-@settings(max_examples=25)
+@settings(max_examples=budget(0.625))
 @given(text=st.text(max_size=40))
 def test_byte_level_tokenizer_round_trips_any_text(tokenizer, text):
     """Any unicode text encodes to its UTF-8 bytes as ids and decodes back to itself."""

@@ -13,6 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import budget
+
 from kernel_tolerances import assert_close
 from pocketllm.kernels.attention import (DECODE_BLOCK_N, decode_attention_ref, decode_attention_triton,
                                          prefill_attention_ref, prefill_attention_triton)
@@ -170,7 +172,7 @@ def test_prefill_in_two_pieces_equals_one_piece(dtype, split):
     assert torch.equal(whole, pieces)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=budget(0.3), deadline=None)
 @given(length=st.integers(2, 200), split_fraction=st.floats(0.0, 1.0), seed=st.integers(0, 2**16),
        dtype=st.sampled_from(DTYPES))
 def test_prefill_piece_invariance_property(length, split_fraction, seed, dtype):

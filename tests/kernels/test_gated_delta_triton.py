@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import budget
+
 from kernel_tolerances import assert_close
 from pocketllm.kernels.gated_delta import (CHUNK_SIZE, gated_delta_decode_ref, gated_delta_decode_triton,
                                            gated_delta_prefill_ref, gated_delta_prefill_triton)
@@ -130,7 +132,7 @@ def test_prefill_split_at_chunk_boundaries(dtype):
     _check_split_invariance(HEADS[1], dtype, start=10, length=150, cuts=[64, 128])
 
 
-@settings(deadline=None, max_examples=8)
+@settings(deadline=None, max_examples=budget(0.2))
 @given(start=st.integers(0, 150), length=st.integers(2, 140), cut_chunks=st.sets(st.integers(1, 4), min_size=1))
 def test_prefill_split_invariance_property(start, length, cut_chunks):
     """For any start and any cuts at chunk boundaries inside the prompt, the split prefill is

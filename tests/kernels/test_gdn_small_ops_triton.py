@@ -14,6 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import budget
+
 from kernel_tolerances import assert_close
 from pocketllm.kernels._triton import INTERPRETED
 from pocketllm.kernels.conv1d import (causal_conv1d_decode_ref, causal_conv1d_decode_triton,
@@ -161,7 +163,7 @@ def _split_case(draw):
     return kernel, length, cuts, other
 
 
-@settings(deadline=None, max_examples=12)
+@settings(deadline=None, max_examples=budget(0.3))
 @given(_split_case())
 def test_conv_prefill_split_invariance(case):
     """A prompt prefilled in one call equals, bitwise, the same prompt cut into pieces at

@@ -6,6 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import budget
+
 from pocketllm.kernels._triton import INTERPRETED
 from pocketllm.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from pocketllm.kernels.linear import BLOCK_K, BLOCK_N, linear_ref, linear_triton
@@ -85,7 +87,7 @@ def test_linear_row_invariant(dtype: torch.dtype):
     _assert_rows_invariant(lambda rows: linear_triton(rows, weight, bias), x, INVARIANCE_ROWS)
 
 
-@settings(deadline=None, max_examples=12)
+@settings(deadline=None, max_examples=budget(0.3))
 @given(m=st.integers(1, 40), extra=st.integers(1, 40), k=st.integers(1, 80), n=st.integers(1, 80),
        seed=st.integers(0, 2**16))
 def test_linear_row_invariant_property(m: int, extra: int, k: int, n: int, seed: int):

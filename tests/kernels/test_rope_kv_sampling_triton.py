@@ -20,6 +20,8 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from conftest import budget
+
 from kernel_tolerances import assert_close
 from pocketllm.kernels.kv_write import rope_write_kv_ref, rope_write_kv_triton
 from pocketllm.kernels.rope import apply_rope_ref, rope_table
@@ -284,7 +286,7 @@ def _sampling_rows(draw):
     return torch.tensor([logits], dtype=torch.float32), (temperature, top_k, top_p, seed, position)
 
 
-@settings(deadline=None, max_examples=15)
+@settings(deadline=None, max_examples=budget(0.375))
 @given(_sampling_rows())
 def test_sampling_matches_reference_property(case):
     """Random logits (repeats allowed) and parameters: where no tie straddles a cut and the

@@ -11,6 +11,8 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from conftest import budget
+
 from pocketllm.kernels.sampling import allowed_mask, mix32, sample_ref, uniform_noise
 
 MASK32 = 2**32 - 1
@@ -240,7 +242,7 @@ def sampling_cases(draw):
     return logits, temperature, top_k, top_p, seed, position
 
 
-@settings(deadline=None, max_examples=50)
+@settings(deadline=None, max_examples=budget(1.25))
 @given(sampling_cases())
 def test_sampled_token_is_in_independently_computed_allowed_set(case):
     """For random logits / temperature / top-k / top-p / seed / position: allowed_mask equals the

@@ -1,0 +1,90 @@
+"""SlotCache on its own: tensor layout per layer kind, slot allocation order, state zeroing on
+reuse (a new tenant never sees the previous one's recurrent state) and the bookkeeping errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pocketllm.cache import AttentionCacheSpec, RecurrentCacheSpec, SlotCache
+
+LAYERS = [AttentionCacheSpec(num_kv_heads=2, head_dim=8),
+          RecurrentCacheSpec(conv_dim=6, conv_width=4, num_heads=3, key_dim=5, value_dim=7)]
+
+
+def test_layout_per_layer_kind():
+    """Attention layers get K/V [slots, max_seq_len, Hkv, D] in the cache dtype and no recurrent
+    state; Gated DeltaNet layers get a conv state [slots, conv_dim, width - 1] in the cache dtype
+    and an fp32 recurrent state [slots, H, Dk, Dv], and no K/V. All start at zero, on the CPU."""
+    cache = SlotCache(3, 16, LAYERS, torch.float16)
+    assert (cache.num_slots, cache.max_seq_len, cache.num_free) == (3, 16, 3)
+    k, v = cache.k[0], cache.v[0]
+    assert k.shape == v.shape == (3, 16, 2, 8) and k.dtype == v.dtype == torch.float16
+    assert cache.conv[0] is None and cache.recurrent[0] is None
+    assert cache.k[1] is None and cache.v[1] is None
+    assert cache.conv[1].shape == (3, 6, 3) and cache.conv[1].dtype == torch.float16
+    assert cache.recurrent[1].shape == (3, 3, 5, 7) and cache.recurrent[1].dtype == torch.float32
+    for t in (k, v, cache.conv[1], cache.recurrent[1]):
+        assert t.device.type == "cpu" and not t.any()
+    assert cache.slot_tokens == [[], [], []]
+
+
+def test_allocate_takes_the_lowest_free_slot_and_zeroes_only_its_states():
+    """Allocation order is lowest-free-first, also after frees in any order; taking a slot zeroes
+    its conv and recurrent state (not other slots', not K/V) and forgets its remembered tokens."""
+    cache = SlotCache(3, 8, LAYERS, torch.float32)
+    assert [cache.allocate() for _ in range(3)] == [0, 1, 2]
+    assert cache.num_free == 0
+    with pytest.raises(RuntimeError, match="all 3 cache slots are in use"):
+        cache.allocate()
+    for state in (cache.conv[1], cache.recurrent[1], cache.k[0]):
+        state.fill_(1.0)
+    cache.free(2, [7, 8])
+    cache.free(0, [4, 5, 6])
+    assert cache.num_free == 2 and cache.slot_tokens == [[4, 5, 6], [], [7, 8]]
+    assert cache.allocate() == 0
+    assert cache.slot_tokens == [[], [], [7, 8]]
+    assert not cache.conv[1][0].any() and not cache.recurrent[1][0].any()
+    assert bool((cache.conv[1][1:] == 1).all()) and bool((cache.recurrent[1][1:] == 1).all())
+    assert bool((cache.k[0] == 1).all())  # K/V are overwritten position by position, never cleared
+    assert cache.allocate() == 2 and cache.num_free == 0
+
+
+def test_free_rejects_slots_not_in_use():
+    cache = SlotCache(2, 8, LAYERS[:1], torch.float32)
+    slot = cache.allocate()
+    for bad in (1, -1, 2):  # free already, negative, out of range
+        with pytest.raises(ValueError, match=rf"slot {bad} is not allocated \(slots 0..1\)"):
+            cache.free(bad, [])
+    cache.free(slot, [1])
+    with pytest.raises(ValueError, match="slot 0 is not allocated"):
+        cache.free(slot, [1])
+    assert cache.num_free == 2 and cache.slot_tokens[0] == [1]
+
+
+def test_remembered_tokens_are_a_copy():
+    """Changing the caller's list afterwards does not change what the slot remembers."""
+    cache = SlotCache(1, 8, LAYERS[:1], torch.float32)
+    tokens = [1, 2, 3]
+    cache.free(cache.allocate(), tokens)
+    tokens.append(4)
+    assert cache.slot_tokens[0] == [1, 2, 3]
+
+
+def test_every_tensor_is_on_the_requested_device():
+    """On another device (the meta device stands in for a GPU here) every slot tensor lives there."""
+    cache = SlotCache(2, 4, LAYERS, torch.float32, device="meta")
+    for t in (cache.k[0], cache.v[0], cache.conv[1], cache.recurrent[1]):
+        assert t.device.type == "meta"
+    assert cache.allocate() == 0  # zeroing works there too
+
+
+def test_recurrent_state_is_fp32_whatever_the_default_dtype():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        cache = SlotCache(1, 4, LAYERS, torch.bfloat16)
+    finally:
+        torch.set_default_dtype(previous)
+    assert cache.recurrent[1].dtype == torch.float32
+    assert cache.k[0].dtype == cache.conv[1].dtype == torch.bfloat16

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Mutation testing of pocketllm's core modules with mutmut (not part of the default test run).
+#
+#   pip install mutmut                       # 3.x, once (kept out of the dev extra: it is heavy)
+#   tools/mutation.sh pocketllm.cache        # one module's mutants, against its selected tests
+#   tools/mutation.sh 'pocketllm.kernels.rope.x_apply_rope_ref*'   # a mutant-name pattern
+#   tools/mutation.sh all                    # every module below, one after the other
+#
+# Each run works on its own copy of the repository ($MUTATION_WORKDIR/<module>, default under
+# /tmp/pocketllm-mutation), so the checkout never sees mutmut's `mutants/` tree. The shared
+# settings are the [tool.mutmut] section of pyproject.toml; the copy's test selection is replaced
+# by the module's own (TESTS below; MUTATION_TESTS overrides it), which keeps a module to minutes:
+# mutmut then runs, for each mutant, only the selected tests that reach the mutated function.
+# MUTATION_JOBS sets the mutants run in parallel (default 1). Prints a score per module and the
+# mutants not killed; docs/mutation.md records the last measured ones.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+root=${MUTATION_WORKDIR:-/tmp/pocketllm-mutation}
+python=${PYTHON:-python}
+
+declare -A TESTS=(
+  [pocketllm.sampling]="tests/engine/test_generate_api.py -k sampling_params"
+  [pocketllm.cache]="tests/engine/test_slot_cache.py tests/scheduler/test_slot_state.py"
+  [pocketllm.models.batch]="tests/models/test_batch.py tests/scheduler/test_slot_state.py"
+  [pocketllm.scheduler.request]="tests/scheduler/test_request.py tests/scheduler/test_slot_state.py tests/scheduler/test_lifecycle.py"
+  [pocketllm.scheduler.batch_scheduler]="tests/scheduler/test_lifecycle.py tests/scheduler/test_cancel_poll.py tests/scheduler/test_callbacks_errors.py tests/scheduler/test_stats.py tests/scheduler/test_slot_state.py"
+  [pocketllm.kernels.sampling]="tests/kernels/test_sampling.py tests/kernels/test_sampling_boundaries.py tests/kernels/test_sampling_spec.py"
+  [pocketllm.kernels.rmsnorm]="tests/kernels/test_ops_reference.py tests/kernels/test_norm_reference.py"
+  [pocketllm.kernels.rope]="tests/kernels/test_ops_reference.py tests/kernels/test_rope_reference.py"
+  [pocketllm.kernels.attention]="tests/kernels/test_ops_reference.py tests/kernels/test_split_invariance.py"
+)
+# In the kernel modules only the torch references are mutated (the Triton kernels are decorated
+# functions, which mutmut leaves alone; their launchers are tested under the interpreter elsewhere).
+declare -A PATTERNS=(
+  [pocketllm.kernels.sampling]="pocketllm.kernels.sampling.x_mix32* pocketllm.kernels.sampling.x__mul32* pocketllm.kernels.sampling.x_row_keys* pocketllm.kernels.sampling.x_uniform_noise* pocketllm.kernels.sampling.x_allowed_mask* pocketllm.kernels.sampling.x_sample_ref*"
+  [pocketllm.kernels.rmsnorm]="pocketllm.kernels.rmsnorm.x_*_ref*"
+  [pocketllm.kernels.rope]="pocketllm.kernels.rope.x_rope_table* pocketllm.kernels.rope.x_apply_rope_ref*"
+  [pocketllm.kernels.attention]="pocketllm.kernels.attention.x__attend_one* pocketllm.kernels.attention.x_*_attention_ref*"
+)
+
+run_one() {
+  local target=$1 module=${1%%.x_*}
+  local work="$root/${module//./_}"
+  local selection=${MUTATION_TESTS:-${TESTS[$module]:-}}
+  [[ -n "$selection" ]] || { echo "no test selection for $module" >&2; return 1; }
+  mkdir -p "$work"
+  (cd "$repo" && git ls-files -z --cached --others --exclude-standard | xargs -0 tar cf -) | (cd "$work" && tar xf -)
+  "$python" - "$work/pyproject.toml" $selection <<'PY'
+import re, sys
+path, args = sys.argv[1], sys.argv[2:]
+text = open(path).read()
+listed = ", ".join(f'"{a}"' for a in args)
+text = re.sub(r"pytest_add_cli_args_test_selection = \[[^\]]*\]", f"pytest_add_cli_args_test_selection = [{listed}]", text)
+open(path, "w").write(text)
+PY
+  local patterns=()
+  if [[ "$target" == *"*"* ]]; then patterns=("$target")
+  elif [[ -n "${PATTERNS[$module]:-}" ]]; then read -ra patterns <<< "${PATTERNS[$module]}"
+  else patterns=("$module.*"); fi
+  (cd "$work" && OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1} \
+    "$python" -m mutmut run --max-children "${MUTATION_JOBS:-1}" "${patterns[@]}" || true)
+  (cd "$work" && "$python" "$repo/tools/mutation_score.py" "${patterns[@]}")
+}
+
+targets=("$@")
+[[ ${#targets[@]} -gt 0 && "${targets[0]}" != all ]] || targets=("${!TESTS[@]}")
+for target in "${targets[@]}"; do run_one "$target"; done
