@@ -12,6 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import budget
+
 from pocketllm import LLM, EngineArgs, SamplingParams
 
 MAX_SEQ_LEN = 96
@@ -222,7 +224,7 @@ realistic_workloads = st.tuples(
 
 
 # Realistic width costs about 100x the tiny model per token: a tenth of the profile's budget.
-@settings(max_examples=max(2, settings.default.max_examples // 10))
+@settings(max_examples=budget(0.1))
 @given(workload=realistic_workloads)
 def test_batched_equals_serial_property_at_realistic_width(realistic_engines, workload):
     """The property at hidden size 512 with prompts past 100 tokens: prefills that span several
