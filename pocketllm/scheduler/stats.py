@@ -28,6 +28,7 @@ class SchedulerStats:
     decode_batches: int
     callback_errors: int
     busy_time_s: float  # time spent inside steps that ran a forward
+    cache_bytes: int  # size of the slot cache the scheduler runs on
     ttft_mean_s: float
     ttft_p50_s: float
     ttft_p99_s: float
