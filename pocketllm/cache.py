@@ -86,9 +86,13 @@ def require_memory(needed: int, device: torch.device | str, what: str) -> None:
     """ValueError when `needed` bytes exceed what `device` has available; `what` says what needs them."""
     available = available_bytes(device)
     if available is not None and needed > available:
-        raise ValueError(f"{what} needs {needed} bytes ({needed / 2**30:.2f} GiB) but {torch.device(device)} has "
-                         f"{available} bytes ({available / 2**30:.2f} GiB) available; lower max_seq_len or "
-                         f"max_batch_size")
+        raise ValueError(f"{what} needs {needed} bytes ({_gib(needed)}) but {torch.device(device)} has {available} "
+                         f"bytes ({_gib(available)}) available; lower max_seq_len or max_batch_size")
+
+
+def _gib(nbytes: int) -> str:
+    """Integer arithmetic: the sizes of absurd configurations do not fit in a float."""
+    return f"{nbytes // 2**30}.{nbytes % 2**30 * 100 // 2**30:02d} GiB"
 
 
 @dataclass(frozen=True)
