@@ -5,8 +5,8 @@ table, so a fault strikes inside the model forward, as a real one would.
 - SlotFault: the attention ops fail for the rows of one cache slot (raise, NaN rows, or out of
   memory for a prompt longer than a limit), in prefill or decode; in a Qwen3.5 model the full
   attention layer runs after Gated DeltaNet layers, so the fault strikes mid-forward.
-- SeedFault: the sampler fails for rows whose seed asks for it (seed % 100: 1 raise, 2 NaN) at the
-  position (seed // 100) % 1000: request-intrinsic, for workloads where slots are reused.
+- SeedFault (from bench/soak.py): the sampler fails for rows whose seed asks for it (see
+  fault_seed), whatever slot or batch the request is in.
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ import torch
 
 import pocketllm.llm
 from pocketllm.kernels import Ops
+
+from .soak_loader import load
+
+SeedFault = load().SeedFault
+fault_seed = load().fault_seed
 
 OutOfMemory = getattr(torch, "OutOfMemoryError", MemoryError)
 
@@ -86,30 +91,3 @@ class SlotFault:
             return out
 
         return decode_attention
-
-
-def fault_seed(base: int, kind: int, position: int) -> int:
-    """A seed that makes SeedFault strike (kind 1: raise, 2: NaN logprob) when sampling `position`."""
-    return (base * 1000 + position % 1000) * 100 + kind
-
-
-@dataclasses.dataclass
-class SeedFault:
-    strikes: int = 0
-
-    def edit(self, ops: Ops) -> Ops:
-        real = ops.sample
-
-        def sample(logits, temperature, top_k, top_p, seeds, positions):
-            tokens, logprobs = real(logits, temperature, top_k, top_p, seeds, positions)
-            hits = [(i, seed % 100) for i, (seed, pos) in enumerate(zip(seeds.tolist(), positions.tolist()))
-                    if seed >= 0 and seed % 100 in (1, 2) and (seed // 100) % 1000 == pos]
-            for i, kind in hits:
-                self.strikes += 1
-                if kind == 1:
-                    raise InjectedFault(f"injected sampler fault at position {positions[i].item()}")
-                logprobs = logprobs.clone()
-                logprobs[i] = float("nan")
-            return tokens, logprobs
-
-        return dataclasses.replace(ops, sample=sample)
