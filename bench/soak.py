@@ -119,29 +119,51 @@ def soak(path: Path, requests: int, seed: int = 0, max_batch_size: int = 8, faul
         pocketllm.llm.get_ops = real_get_ops
     s = llm.scheduler
     work = plan(requests, llm.model_config.vocab_size, rng, fault_rate, cancel_rate)
-    calls: dict[int, int] = {}
+    callback_calls = [0] * len(work)
 
-    def callback_for(item: Planned):
+    def callback_for(index: int, item: Planned):
         def callback(result):
-            calls[result.request_id] = calls.get(result.request_id, 0) + 1
+            callback_calls[index] += 1
             if item.callback_error is not None:
                 raise item.callback_error("raised by a soak callback")
         return callback
 
-    ids: list[int] = []
+    # Streaming bookkeeping: per-request state is preallocated, results are checked as they are
+    # collected and kept only for the serial sample, so memory growth is the engine's own.
+    serial_ids = set(rng.sample(range(len(work)), min(serial_sample * 3, len(work))))
+    kept: dict[int, object] = {}
+    reasons = dict.fromkeys(TERMINAL, 0)
+    problems: list[str] = []
+    index_of: dict[int, int] = {}
+    pending: list[int] = []  # submitted ids not yet collected, in order
     cancels: dict[int, list[int]] = {}  # step -> ids to cancel then
-    results: dict[int, object] = {}
     step = 0
     rss_warm = None
     start = time.perf_counter()
     next_item = 0
+
+    def collect(rid: int, result) -> None:
+        i = index_of.pop(rid)
+        item = work[i]
+        reason = result.finish_reason
+        reasons[reason] = reasons.get(reason, 0) + 1
+        if reason not in TERMINAL:
+            problems.append(f"request {rid}: no terminal state ({reason!r})")
+        if reason == "error" and not item.faulty:
+            problems.append(f"request {rid} without a fault ended with error: {result.error}")
+        if item.faulty and reason not in ("error", "cancelled"):
+            problems.append(f"request {rid} carried a fault but ended {reason}")
+        if i in serial_ids and reason in ("stop", "length"):
+            kept[i] = result
+
     while next_item < len(work) or s.has_work:
         for _ in range(rng.randint(0, 2 * max_batch_size // 3 + 1)):
             if next_item == len(work):
                 break
             item = work[next_item]
-            rid = s.submit_request(item.prompt, item.params, callback_for(item) if item.has_callback else None)
-            ids.append(rid)
+            rid = s.submit_request(item.prompt, item.params, callback_for(next_item, item) if item.has_callback else None)
+            index_of[rid] = next_item
+            pending.append(rid)
             if item.cancel_after is not None:
                 cancels.setdefault(step + item.cancel_after, []).append(rid)
             next_item += 1
@@ -149,55 +171,45 @@ def soak(path: Path, requests: int, seed: int = 0, max_batch_size: int = 8, faul
             s.cancel_request(rid)
         s.step()
         step += 1
-        for rid in ids[len(results):]:
-            result = s.poll_result(rid) if rid not in results else None
+        still = []
+        for rid in pending:
+            result = s.poll_result(rid)
             if result is None:
-                break
-            results[rid] = result
+                still.append(rid)
+            else:
+                collect(rid, result)
+        pending = still
         if rss_warm is None and next_item >= len(work) // 10:
             rss_warm = rss_bytes()
-    for rid in ids:
-        if rid not in results:
-            results[rid] = s.poll_result(rid)
+    for rid in pending:
+        collect(rid, s.poll_result(rid))
     elapsed = time.perf_counter() - start
     rss_end = rss_bytes()
     stats = s.get_stats()
 
-    problems = []
-    by_id = dict(zip(ids, work))
-    reasons = {rid: getattr(results[rid], "finish_reason", None) for rid in ids}
-    if any(reason not in TERMINAL for reason in reasons.values()):
-        problems.append("a request without a terminal state")
-    for rid, item in by_id.items():
-        expected_calls = 1 if item.has_callback else 0
-        if calls.get(rid, 0) != expected_calls:
-            problems.append(f"request {rid}: callback ran {calls.get(rid, 0)} times")
-        if reasons[rid] == "error" and not item.faulty:
-            problems.append(f"request {rid} without a fault ended with error: {results[rid].error}")
-        if item.faulty and reasons[rid] not in ("error", "cancelled"):
-            problems.append(f"request {rid} carried a fault but ended {reasons[rid]}")
+    for i, item in enumerate(work):
+        if callback_calls[i] != (1 if item.has_callback else 0):
+            problems.append(f"request #{i}: callback ran {callback_calls[i]} times")
     if llm.cache.num_free != max_batch_size or stats.running or stats.waiting:
         problems.append(f"leak: {llm.cache.num_free}/{max_batch_size} slots free, {stats.running} running, "
                         f"{stats.waiting} waiting")
     counted = stats.finished + stats.cancelled + stats.errored
-    if counted != len(ids):
-        problems.append(f"stats count {counted} terminal states for {len(ids)} requests")
+    if counted != len(work) or sum(reasons.values()) != len(work):
+        problems.append(f"{counted} terminal states counted, {sum(reasons.values())} collected, for {len(work)}")
     expected_callback_errors = sum(1 for item in work if item.callback_error is not None)
     if stats.callback_errors != expected_callback_errors:
         problems.append(f"callback_errors {stats.callback_errors}, expected {expected_callback_errors}")
 
-    survivors = [rid for rid in ids if reasons[rid] in ("stop", "length")]
-    sample = rng.sample(survivors, min(serial_sample, len(survivors)))
+    sample = sorted(kept)[:serial_sample]
     serial = LLM(EngineArgs(model=str(path), max_seq_len=16, backend_options={"max_batch_size": 1}))
-    for rid in sample:
-        item, got = by_id[rid], results[rid]
-        want = serial.generate(item.prompt, item.params)
+    for i in sample:
+        got, want = kept[i], serial.generate(work[i].prompt, work[i].params)
         if (got.token_ids, got.logprobs, got.finish_reason) != (want.token_ids, want.logprobs, want.finish_reason):
-            problems.append(f"request {rid} differs from its serial run")
+            problems.append(f"request #{i} differs from its serial run")
     llm.close()
     return {
-        "requests": len(ids), "steps": step, "seconds": round(elapsed, 2),
-        "requests_per_s": round(len(ids) / elapsed, 1),
+        "requests": len(work), "steps": step, "seconds": round(elapsed, 2),
+        "requests_per_s": round(len(work) / elapsed, 1),
         "faulty_requests": sum(item.faulty for item in work), "fault_strikes": fault.strikes,
         "errored": stats.errored, "cancelled": stats.cancelled, "finished": stats.finished,
         "callbacks": sum(item.has_callback for item in work), "raising_callbacks": expected_callback_errors,

@@ -40,6 +40,7 @@ from .timeline import SlotEvent
 logger = logging.getLogger(__name__)
 
 Callback = Callable[[GenerationResult], None]
+LATENCY_WINDOW = 100_000  # requests whose TTFT and total time the latency statistics cover
 # (token, logprob) for a request whose forward succeeded, else the exception that ended it.
 Outcome = tuple[int, float] | BaseException
 # (request, tokens it fed, start, end) of each forward a request took part in, for the timeline.
@@ -68,8 +69,9 @@ class BatchScheduler:
         self._stopped = False
         self._drivers = 0  # callers stepping the loop themselves (see run_until_finished)
         self._counts = collections.Counter()
-        self._ttfts: list[float] = []
-        self._totals: list[float] = []
+        # Latencies of the most recent requests only, so that a long-running engine's memory stays bounded.
+        self._ttfts: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
+        self._totals: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
         self._busy_time = 0.0
         self._started = time.perf_counter()
         # Per-forward slot events, when recording (read it once the work is done).

@@ -16,6 +16,9 @@ def percentile(values: list[float], q: float) -> float:
 
 @dataclass(frozen=True)
 class SchedulerStats:
+    """Counts since the scheduler started; latency figures (ttft_*, total_time_*) over the most
+    recent requests (batch_scheduler.LATENCY_WINDOW of them)."""
+
     waiting: int
     running: int
     finished: int  # ended with "stop" or "length"

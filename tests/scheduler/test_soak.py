@@ -6,7 +6,7 @@ from __future__ import annotations
 from .soak_loader import load
 
 REQUESTS = 2000
-RSS_BOUND_MIB = 64  # resident memory growth allowed after warm-up (measured: about 2 MiB)
+RSS_BOUND_MIB = 32  # resident memory growth allowed after warm-up (measured: under 1 MiB)
 
 
 def test_soak_every_promise_holds(tiny_checkpoint):
