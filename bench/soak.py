@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from pocketllm import LLM, EngineArgs, SamplingParams, write_checkpoint
 import pocketllm.llm
+from pocketllm import LLM, EngineArgs, SamplingParams, write_checkpoint
 from pocketllm.kernels import Ops
 
 TERMINAL = ("stop", "length", "cancelled", "error")

@@ -31,12 +31,7 @@ class SequenceInput:
 
 
 class NonFiniteOutputError(RuntimeError):
-    """Logits or a sampled logprob that is NaN or infinite, or a sampled token outside the vocabulary.
-    `rows` are the indices, in the forward's sequence order, of the sequences concerned."""
-
-    def __init__(self, rows: list[int], message: str) -> None:
-        super().__init__(message)
-        self.rows = rows
+    """Logits or a sampled logprob that is NaN or infinite, or a sampled token outside the vocabulary."""
 
 
 def _as_int64(seed: int) -> int:
@@ -73,7 +68,8 @@ class ModelRunner:
         logits = self.model.forward(batch, self.cache)
         finite = torch.isfinite(logits).all(dim=-1)
         if not bool(finite.all()):
-            raise NonFiniteOutputError(_false_rows(finite), "the model produced non-finite logits (NaN or inf)")
+            raise NonFiniteOutputError(f"the model produced non-finite logits (NaN or inf) for sequence(s) "
+                                       f"{_false_rows(finite)} of {len(seqs)}")
 
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)
@@ -88,8 +84,8 @@ class ModelRunner:
         )
         valid = torch.isfinite(logprobs) & (tokens >= 0) & (tokens < logits.shape[-1])
         if not bool(valid.all()):
-            raise NonFiniteOutputError(_false_rows(valid),
-                                       "the sampler returned a non-finite logprob or a token outside the vocabulary")
+            raise NonFiniteOutputError(f"the sampler returned a non-finite logprob or a token outside the vocabulary "
+                                       f"for sequence(s) {_false_rows(valid)} of {len(seqs)}")
         return list(zip(tokens.tolist(), logprobs.tolist()))
 
 
