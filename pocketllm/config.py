@@ -16,6 +16,8 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BACKENDS = ("torch", "triton")
+# An untrusted config.json's layer count is bounded before anything is built per layer.
+MAX_LAYERS = 4096
 
 # backend_options keys, their types and defaults.
 BACKEND_OPTION_DEFAULTS: dict[str, Any] = {
@@ -174,11 +176,14 @@ class ModelConfig:
                                   f"num_key_value_heads={kv_heads}")
         hybrid = architecture.startswith("Qwen3_5")
         layers = fields.positive_int("num_hidden_layers")
+        if layers > MAX_LAYERS:
+            fields.fail("num_hidden_layers", f"must be at most {MAX_LAYERS}", layers)
         interval = fields.positive_int("full_attention_interval", 4)
         layer_types = tuple(fields.get("layer_types", list, None) or (
             ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)] if hybrid
             else ["full_attention"] * layers))
-        if len(layer_types) != layers or not set(layer_types) <= {"full_attention", "linear_attention"}:
+        known = ("full_attention", "linear_attention")
+        if len(layer_types) != layers or not all(kind in known for kind in layer_types):
             raise CheckpointError(f"{source}: layer_types must list 'full_attention'/'linear_attention' for each of "
                                   f"the {layers} layers, got {_short(list(layer_types))}")
         hidden = fields.positive_int("hidden_size")

@@ -220,6 +220,7 @@ BAD_FIELDS = [
     ("eos_token_id", 100, "outside the vocabulary"), ("architectures", "Qwen3ForCausalLM", "must be a JSON array"),
     ("rope_parameters", [1], "must be a JSON object"), ("layer_types", ["full_attention"], "layer_types"),
     ("use_sliding_window", "yes", "boolean"), ("partial_rotary_factor", 1.5, "rotary width"),
+    ("num_hidden_layers", 10**12, "at most"), ("layer_types", [["full_attention"], {}], "layer_types"),
 ]
 
 
