@@ -72,10 +72,8 @@ def _check_engine_fields(args: EngineArgs) -> None:
     args.model = str(args.model)
     for name, allowed in (("backend", BACKENDS), ("dtype", tuple(DTYPES))):
         value = getattr(args, name)
-        if not isinstance(value, str):
-            raise TypeError(f"{name} must be one of {allowed}, got {type(value).__name__}")
-        if value not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        if not isinstance(value, str) or value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {_short(value)}")
     if isinstance(args.max_seq_len, bool) or not isinstance(args.max_seq_len, int) or args.max_seq_len < 2:
         raise ValueError(f"max_seq_len must be an int >= 2, got {_short(args.max_seq_len)}")
     _check_device(args.device)

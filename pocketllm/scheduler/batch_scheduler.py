@@ -25,6 +25,7 @@ import collections
 import itertools
 import logging
 import math
+import numbers
 import threading
 import time
 from typing import Callable, Iterator, Sequence
@@ -345,7 +346,7 @@ def _deadline(timeout_ms: float | None) -> float | None:
     """The monotonic time at which a poll gives up; None to wait forever (None or math.inf)."""
     if timeout_ms is None:
         return None
-    if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, (int, float)):
+    if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, numbers.Real):
         raise TypeError(f"timeout_ms must be a number of milliseconds >= 0, None or math.inf, "
                         f"got {type(timeout_ms).__name__}")
     try:
