@@ -37,15 +37,12 @@ containers = st.one_of(
 anything = st.one_of(scalars, containers)
 
 
-def _threads_one():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    return previous
-
-
 @pytest.fixture(autouse=True)
 def single_torch_thread():
-    previous = _threads_one()
+    """One intra-op thread: the tiny model gains nothing from more, and a loaded machine's OpenMP
+    spin-waiting makes its forwards erratic."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
 
