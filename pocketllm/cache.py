@@ -9,13 +9,23 @@ admission to completion and kernels need no per-token index loads.
   when a request takes the slot, so a slot's previous tenant never leaks into the next.
 A freed slot remembers the token ids whose K/V it still holds, so a later request with a shared
 prefix can find them.
+
+The size is computed before anything is allocated: a cache larger than the memory the device
+has free is refused at once with a ValueError, instead of failing deep inside the allocator.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from .config import ModelConfig
+
+
+class SlotCacheError(RuntimeError):
+    """The one error the slot cache raises: no free slot, or a slot that is not allocated."""
 
 
 @dataclass(frozen=True)
@@ -36,8 +46,62 @@ class RecurrentCacheSpec:
 LayerCacheSpec = AttentionCacheSpec | RecurrentCacheSpec
 
 
-class SlotCacheError(RuntimeError):
-    """The one error the slot cache raises: no free slot, or a slot that is not allocated."""
+def layer_specs(cfg: ModelConfig) -> list[LayerCacheSpec]:
+    """What each layer of `cfg` keeps per slot, known before the model is built (for sizing)."""
+    conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    attention = AttentionCacheSpec(cfg.num_key_value_heads, cfg.head_dim)
+    recurrent = RecurrentCacheSpec(conv_dim, cfg.linear_conv_kernel_dim, cfg.linear_num_value_heads,
+                                   cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    return [attention if kind == "full_attention" else recurrent for kind in cfg.layer_types]
+
+
+def cache_bytes(num_slots: int, max_seq_len: int, layers: list[LayerCacheSpec], dtype: torch.dtype) -> int:
+    """Bytes the slot tensors of these layers take (Python ints: no overflow for absurd sizes)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for spec in layers:
+        if isinstance(spec, AttentionCacheSpec):
+            total += 2 * num_slots * max_seq_len * spec.num_kv_heads * spec.head_dim * item
+        else:
+            total += num_slots * spec.conv_dim * (spec.conv_width - 1) * item
+            total += num_slots * spec.num_heads * spec.key_dim * spec.value_dim * 4
+    return total
+
+
+def available_bytes(device: torch.device | str) -> int | None:
+    """Memory free for new tensors on `device` (host: MemAvailable), or None when unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        meminfo = Path("/proc/meminfo")
+        if meminfo.is_file():
+            for line in meminfo.read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    return None
+
+
+def require_memory(needed: int, device: torch.device | str, what: str) -> None:
+    """ValueError when `needed` bytes exceed what `device` has available; `what` says what needs them."""
+    available = available_bytes(device)
+    if available is not None and needed > available:
+        raise ValueError(f"{what} needs {needed} bytes ({_gib(needed)}) but {torch.device(device)} has {available} "
+                         f"bytes ({_gib(available)}) available; lower max_seq_len or max_batch_size")
+
+
+def _gib(nbytes: int) -> str:
+    """Integer arithmetic: the sizes of absurd configurations do not fit in a float."""
+    return f"{nbytes // 2**30}.{nbytes % 2**30 * 100 // 2**30:02d} GiB"
+
+
+@dataclass(frozen=True)
+class StateSnapshot:
+    """Recurrent states of some slots, copied before a forward (see SlotCache.snapshot_states)."""
+
+    copied_slots: torch.Tensor  # [n] int64
+    copies: list[torch.Tensor]  # per state tensor, its rows for copied_slots
+    fresh_slots: torch.Tensor  # [m] int64: slots whose states were zero (nothing cached yet)
 
 
 class SlotCache:
@@ -47,6 +111,10 @@ class SlotCache:
                  device: torch.device | str = "cpu") -> None:
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
+        self.device = torch.device(device)
+        self.nbytes = cache_bytes(num_slots, max_seq_len, layers, dtype)
+        require_memory(self.nbytes, device, f"a slot cache of max_batch_size={num_slots} slots x "
+                                            f"max_seq_len={max_seq_len} positions")
         self.k: list[torch.Tensor | None] = []
         self.v: list[torch.Tensor | None] = []
         self.conv: list[torch.Tensor | None] = []
@@ -67,6 +135,9 @@ class SlotCache:
     def num_free(self) -> int:
         return len(self._free)
 
+    def _states(self) -> list[torch.Tensor]:
+        return [s for s in self.conv + self.recurrent if s is not None]
+
     def allocate(self) -> int:
         """Take the lowest free slot, its recurrent state zeroed; SlotCacheError when all are in use."""
         if not self._free:
@@ -74,9 +145,8 @@ class SlotCache:
         self._free.sort()
         slot = self._free.pop(0)
         self.slot_tokens[slot] = []
-        for state in self.conv + self.recurrent:
-            if state is not None:
-                state[slot].zero_()
+        for state in self._states():
+            state[slot].zero_()
         return slot
 
     def free(self, slot: int, tokens: list[int]) -> None:
@@ -85,3 +155,22 @@ class SlotCache:
             raise SlotCacheError(f"slot {slot} is not allocated (slots 0..{self.num_slots - 1})")
         self.slot_tokens[slot] = list(tokens)
         self._free.append(slot)
+
+    def snapshot_states(self, slots: list[int], starts: list[int]) -> StateSnapshot | None:
+        """What `restore_states` needs to undo a forward over `slots` (with `starts` tokens cached):
+        None without recurrent layers; a slot with nothing cached is restored by zeroing, not copied."""
+        states = self._states()
+        if not states:
+            return None
+        index = lambda values: torch.tensor(values, dtype=torch.int64, device=self.device)  # noqa: E731
+        copied = index([slot for slot, start in zip(slots, starts) if start > 0])
+        fresh = index([slot for slot, start in zip(slots, starts) if start == 0])
+        return StateSnapshot(copied, [s.index_select(0, copied) for s in states], fresh)
+
+    def restore_states(self, snapshot: StateSnapshot | None) -> None:
+        """Put the recurrent states of a snapshot's slots back, bit for bit."""
+        if snapshot is None:
+            return
+        for state, copy in zip(self._states(), snapshot.copies):
+            state.index_copy_(0, snapshot.copied_slots, copy)
+            state.index_fill_(0, snapshot.fresh_slots, 0)

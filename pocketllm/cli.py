@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from .config import DTYPES, EngineArgs
 from .llm import LLM
@@ -28,10 +29,21 @@ def embedded_checkpoint(preset: str = "tiny", seed: int = 0) -> Path:
 
 
 def _token_list(text: str) -> list[int]:
+    items = text.split(",")
     try:
-        return [int(t) for t in text.split(",") if t.strip()]
+        if any(not item.strip() for item in items):
+            raise ValueError("empty item")
+        return [int(item) for item in items]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-tokens must be comma-separated ints, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"--prompt-tokens must be comma-separated ints with no empty item, "
+                                         f"got {text!r}") from None
+
+
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line on stderr (naming the subcommand and pointing to --help), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 DEMO_PROMPTS = ["The quick brown fox", "Once upon a time", "pocketllm", "1, 2, 3,", "Hello, world!",
@@ -101,17 +113,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     """stdout gets the output in the prompt's form (text for --prompt, token ids for --prompt-tokens);
     stderr gets the other form, where there is one, and the timings."""
-    llm = LLM(EngineArgs(model=args.model, dtype=args.dtype, device=args.device, max_seq_len=args.max_seq_len))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
-    try:
-        if args.prompt is not None:
-            result = llm.generate(prompts=args.prompt, sampling_params=params)
-        else:
-            result = llm.generate(prompt_tokens=args.prompt_tokens, sampling_params=params)
-    except ImportError as exc:  # the tokenizers package is missing: its message says what to install
-        print(f"pocketllm generate: error: {exc}", file=sys.stderr)
-        return 2
+    llm = LLM(EngineArgs(model=args.model, dtype=args.dtype, device=args.device, max_seq_len=args.max_seq_len))
+    if args.prompt is not None:
+        result = llm.generate(prompts=args.prompt, sampling_params=params)
+    else:
+        result = llm.generate(prompt_tokens=args.prompt_tokens, sampling_params=params)
     token_ids = ",".join(str(t) for t in result.token_ids)
     if args.prompt is not None:
         print(result.text)
@@ -120,12 +128,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(token_ids)
         if result.text is not None:
             print(f"text={result.text!r}", file=sys.stderr)
-    print(f"finish_reason={result.finish_reason} seed={result.seed} ttft={1000 * result.ttft_s:.1f}ms "
-          f"total={1000 * result.total_time_s:.1f}ms", file=sys.stderr)
+    ttft = "-" if result.ttft_s is None else f"{1000 * result.ttft_s:.1f}ms"
+    print(f"finish_reason={result.finish_reason} seed={result.seed} ttft={ttft} "
+          f"total={1000 * result.total_time_s:.1f}ms cache={llm.capabilities.cache_bytes / 2**20:.1f}MiB",
+          file=sys.stderr)
+    if result.error is not None:
+        print(f"pocketllm generate: error: {_one_line(result.error)}", file=sys.stderr)
     return 0 if result.finish_reason in ("stop", "length") else 1
 
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    """Refuses a non-empty directory unless --force; with it, the earlier checkpoint's files go."""
+    target = Path(args.directory)
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{target} exists and is not a directory")
+    if target.is_dir() and any(target.iterdir()) and not args.force:
+        raise ValueError(f"{target} is not empty; pass --force to replace the checkpoint files in it")
     path = write_checkpoint(args.directory, args.preset, seed=args.seed, multimodal=args.multimodal)
     layout = " in the multimodal layout" if args.multimodal else ""
     print(f"wrote {args.preset!r} checkpoint (seed {args.seed}){layout} to {path}")
@@ -133,7 +151,7 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pocketllm", description="A small inference engine for Qwen-family models.")
+    parser = _Parser(prog="pocketllm", description="A small inference engine for Qwen-family models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="serial and batched generation on an embedded random checkpoint, "
@@ -161,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--multimodal", action="store_true",
                       help="Qwen3.5 presets: write the Qwen3_5ForConditionalGeneration layout")
+    make.add_argument("--force", action="store_true",
+                      help="write into a non-empty directory, replacing an earlier checkpoint's files")
     make.add_argument("directory", help="output directory")
     make.set_defaults(func=cmd_make_checkpoint)
 
@@ -179,9 +199,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as exc:  # CheckpointError is a ValueError
-        print(f"pocketllm {args.command}: error: {exc}", file=sys.stderr)
+    except (ValueError, TypeError, OSError, ImportError) as exc:
+        # User errors: bad values (CheckpointError is a ValueError), paths that cannot be read or
+        # written, a missing optional package. One line, no traceback.
+        print(f"pocketllm {args.command}: error: {_one_line(str(exc))}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"pocketllm {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

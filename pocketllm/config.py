@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -14,6 +15,9 @@ from typing import Any, Literal, get_args
 import torch
 
 from .options import Options, parse_backend_options
+
+# An untrusted config.json's layer count is bounded before anything is built per layer.
+MAX_LAYERS = 4096
 
 Backend = Literal["torch", "triton"]
 DTypeName = Literal["float32", "bfloat16", "float16"]
@@ -40,15 +44,7 @@ class EngineArgs:
     options: Options = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, (str, Path)):
-            raise TypeError(f"model must be a path to a checkpoint directory, got {type(self.model).__name__}")
-        self.model = str(self.model)
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
-        if isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be an int >= 2, got {self.max_seq_len!r}")
+        _check_engine_fields(self)
         self.options = parse_backend_options(self.backend_options)
         self.backend_options = self.options.as_dict()
 
@@ -59,6 +55,39 @@ class EngineArgs:
     @property
     def max_batch_size(self) -> int:
         return self.options.engine.max_batch_size
+
+
+def _check_engine_fields(args: EngineArgs) -> None:
+    """model, backend, dtype, device and max_seq_len: TypeError/ValueError naming the field and
+    what it accepts. `model` becomes a str."""
+    if not isinstance(args.model, (str, Path)):
+        raise TypeError(f"model must be a path to a checkpoint directory, got {type(args.model).__name__}")
+    args.model = str(args.model)
+    for name, allowed in (("backend", BACKENDS), ("dtype", tuple(DTYPES))):
+        value = getattr(args, name)
+        if not isinstance(value, str) or value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {_short(value)}")
+    if isinstance(args.max_seq_len, bool) or not isinstance(args.max_seq_len, int) or args.max_seq_len < 2:
+        raise ValueError(f"max_seq_len must be an int >= 2, got {_short(args.max_seq_len)}")
+    _check_device(args.device)
+
+
+def _check_device(value: Any) -> None:
+    """A device this machine has: 'cpu', or 'cuda' / 'cuda:N' when torch sees that CUDA device."""
+    if not isinstance(value, (str, torch.device)):
+        raise TypeError(f"device must be 'cpu' or 'cuda[:index]', got {type(value).__name__}")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:index]', got {_short(value)}") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {str(value)!r} is not available: torch finds no CUDA device here; use 'cpu'")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device {str(value)!r} is not available: CUDA devices here are 0..{count - 1}")
+    elif device.type != "cpu":
+        raise ValueError(f"device must be 'cpu' or 'cuda[:index]', got {str(value)!r}")
 
 
 @dataclass(frozen=True)
@@ -98,91 +127,194 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
+        """Parse `path`/config.json (and generation_config.json when present). A file that is not a
+        JSON object, or a field of the wrong type or an impossible value, is a CheckpointError
+        naming the file and the field."""
         path = Path(path)
         config_file = path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"{config_file}: no config.json in the model directory")
-        raw = json.loads(config_file.read_text())
+        raw = read_json_object(config_file)
         generation_file = path / "generation_config.json"
-        generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
-        return cls.from_dict(raw, generation, source=str(config_file))
+        generation = read_json_object(generation_file) if generation_file.is_file() else {}
+        return cls.from_dict(raw, generation, source=str(config_file), generation_source=str(generation_file))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None,
-                  source: str = "config.json") -> "ModelConfig":
-        architectures = raw.get("architectures") or []
-        architecture = architectures[0] if architectures else raw.get("model_type", "<missing>")
-        if isinstance(raw.get("text_config"), dict):  # multimodal layout: the language model's fields are nested
-            text = raw["text_config"]
-            raw = {**text, "tie_word_embeddings": raw.get("tie_word_embeddings", text.get("tie_word_embeddings")),
-                   "eos_token_id": text.get("eos_token_id", raw.get("eos_token_id"))}
-
-        def need(key: str) -> Any:
-            if key not in raw:
-                raise ValueError(f"{source}: missing required field {key!r}")
-            return raw[key]
-
-        if raw.get("use_sliding_window"):
-            raise ValueError(f"{source}: use_sliding_window=true is not supported")
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+                  source: str = "config.json", generation_source: str = "generation_config.json") -> "ModelConfig":
+        fields = _Fields(raw, source)
+        architectures = fields.get("architectures", list, [])
+        if architectures and not isinstance(architectures[0], str):
+            fields.fail("architectures", "must be a list of architecture names (str)", architectures)
+        architecture = architectures[0] if architectures else fields.get("model_type", str, "<missing>")
+        text = fields.get("text_config", dict, None)
+        if text is not None:  # multimodal layout: the language model's fields are nested
+            fields = _Fields({**text, "tie_word_embeddings": raw.get("tie_word_embeddings", text.get("tie_word_embeddings")),
+                              "eos_token_id": text.get("eos_token_id", raw.get("eos_token_id"))},
+                             f"{source} (text_config)")
+        if fields.get("use_sliding_window", bool, False):
+            raise CheckpointError(f"{source}: use_sliding_window=true is not supported")
+        rope_fields = _Fields(fields.get("rope_parameters", dict, None) or fields.get("rope_scaling", dict, None) or {},
+                              f"{fields.source} (rope_parameters)")
+        rope_type = rope_fields.get("rope_type", str, rope_fields.get("type", str, "default"))
         if rope_type != "default":
-            raise ValueError(f"{source}: rope_type {rope_type!r} is not supported (only 'default')")
-        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-        heads = need("num_attention_heads")
-        kv_heads = raw.get("num_key_value_heads") or heads
+            raise CheckpointError(f"{source}: rope_type {rope_type!r} is not supported (only 'default')")
+        rope_theta = rope_fields.positive_float("rope_theta", fields.positive_float("rope_theta", 10000.0))
+        heads = fields.positive_int("num_attention_heads")
+        kv_heads = fields.positive_int("num_key_value_heads", None) or heads
         if heads % kv_heads:
-            raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+            raise CheckpointError(f"{source}: num_attention_heads={heads} is not a multiple of "
+                                  f"num_key_value_heads={kv_heads}")
         hybrid = architecture.startswith("Qwen3_5")
-        layers = need("num_hidden_layers")
-        layer_types = tuple(raw.get("layer_types") or (
-            ["linear_attention" if (i + 1) % raw.get("full_attention_interval", 4) else "full_attention"
-             for i in range(layers)] if hybrid else ["full_attention"] * layers))
-        if len(layer_types) != layers or set(layer_types) - {"full_attention", "linear_attention"}:
-            raise ValueError(f"{source}: layer_types must list 'full_attention'/'linear_attention' for each of "
-                             f"the {layers} layers, got {list(layer_types)}")
-        return cls(
+        layers = fields.positive_int("num_hidden_layers")
+        if layers > MAX_LAYERS:
+            fields.fail("num_hidden_layers", f"must be at most {MAX_LAYERS}", layers)
+        interval = fields.positive_int("full_attention_interval", 4)
+        layer_types = tuple(fields.get("layer_types", list, None) or (
+            ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)] if hybrid
+            else ["full_attention"] * layers))
+        known = ("full_attention", "linear_attention")
+        if len(layer_types) != layers or not all(kind in known for kind in layer_types):
+            raise CheckpointError(f"{source}: layer_types must list 'full_attention'/'linear_attention' for each of "
+                                  f"the {layers} layers, got {_short(list(layer_types))}")
+        hidden = fields.positive_int("hidden_size")
+        head_dim = fields.positive_int("head_dim", 256 if hybrid else 128, null=None)
+        partial = rope_fields.positive_float("partial_rotary_factor",
+                                             fields.positive_float("partial_rotary_factor", 0.25 if hybrid else 1.0))
+        cfg = cls(
             architecture=architecture,
-            vocab_size=need("vocab_size"),
-            hidden_size=need("hidden_size"),
-            intermediate_size=need("intermediate_size"),
+            vocab_size=fields.positive_int("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=fields.positive_int("intermediate_size"),
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=_head_dim(raw, heads, default=256 if hybrid else 128),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", False)),
-            eos_token_ids=_eos_ids(raw, generation or {}),
+            head_dim=head_dim if head_dim is not None else hidden // heads,  # null: hidden_size / heads
+            rms_norm_eps=fields.positive_float("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            max_position_embeddings=fields.positive_int("max_position_embeddings", 32768),
+            tie_word_embeddings=fields.get("tie_word_embeddings", bool, False),
+            attention_bias=fields.get("attention_bias", bool, False),
+            eos_token_ids=_eos_ids(_Fields(generation or {}, generation_source), fields),
             layer_types=layer_types,
-            partial_rotary_factor=float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor",
-                                                                                 0.25 if hybrid else 1.0))),
-            linear_num_key_heads=int(raw.get("linear_num_key_heads", 0)),
-            linear_num_value_heads=int(raw.get("linear_num_value_heads", 0)),
-            linear_key_head_dim=int(raw.get("linear_key_head_dim", 0)),
-            linear_value_head_dim=int(raw.get("linear_value_head_dim", 0)),
-            linear_conv_kernel_dim=int(raw.get("linear_conv_kernel_dim", 4)),
+            partial_rotary_factor=partial,
+            linear_num_key_heads=fields.positive_int("linear_num_key_heads", 0, minimum=0),
+            linear_num_value_heads=fields.positive_int("linear_num_value_heads", 0, minimum=0),
+            linear_key_head_dim=fields.positive_int("linear_key_head_dim", 0, minimum=0),
+            linear_value_head_dim=fields.positive_int("linear_value_head_dim", 0, minimum=0),
+            linear_conv_kernel_dim=fields.positive_int("linear_conv_kernel_dim", 4),
         )
+        _check_consistent(cfg, source)
+        return cfg
 
 
-def _head_dim(raw: dict[str, Any], heads: int, default: int) -> int:
-    """The config class's default (Qwen3: 128, Qwen3.5: 256) when the field is absent;
-    hidden_size / heads when it is null."""
-    if "head_dim" not in raw:
-        return default
-    return raw["head_dim"] or raw["hidden_size"] // heads
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded as asked; the message names the file and the
+    field or tensor at fault."""
 
 
-def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`; CheckpointError naming the file when it is unreadable text,
+    not JSON, or JSON but not an object."""
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
+    except (ValueError, RecursionError) as exc:  # an integer too long to convert, nesting too deep
+        raise CheckpointError(f"{path}: not valid JSON ({type(exc).__name__}: {exc})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, got a JSON {type(value).__name__}")
+    return value
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+_REQUIRED = object()
+
+
+class _Fields:
+    """Typed access to one JSON object's fields; errors name the file and the field."""
+
+    def __init__(self, raw: dict[str, Any], source: str) -> None:
+        self.raw, self.source = raw, source
+
+    def fail(self, key: str, rule: str, value: Any) -> None:
+        raise CheckpointError(f"{self.source}: field {key!r} {rule}, got {_short(value)}")
+
+    def get(self, key: str, kind: type, default: Any = _REQUIRED, null: Any = _REQUIRED) -> Any:
+        """The field, which must be a `kind` (an int is accepted as a float). Absent or null: `default`
+        (an error when there is none), except that a null gives `null` when that is given."""
+        value = self.raw.get(key)
+        if value is None:
+            if key in self.raw and null is not _REQUIRED:
+                return null
+            if default is _REQUIRED:
+                raise CheckpointError(f"{self.source}: missing required field {key!r}")
+            return default
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            try:
+                return float(value)
+            except OverflowError:
+                self.fail(key, "must be a finite number", value)
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            self.fail(key, f"must be a JSON {_JSON_NAMES[kind]}", value)
+        return value
+
+    def positive_int(self, key: str, default: Any = _REQUIRED, minimum: int = 1, null: Any = _REQUIRED) -> Any:
+        value = self.get(key, int, default, null)
+        if value is not None and value < minimum:
+            self.fail(key, f"must be an integer >= {minimum}", value)
+        return value
+
+    def positive_float(self, key: str, default: Any = _REQUIRED) -> float:
+        value = self.get(key, float, default)
+        if not (math.isfinite(value) and value > 0):
+            self.fail(key, "must be a finite number > 0", value)
+        return value
+
+
+_JSON_NAMES = {int: "integer", float: "number", bool: "boolean (true/false)", str: "string", list: "array",
+               dict: "object"}
+
+
+def _check_consistent(cfg: ModelConfig, source: str) -> None:
+    """Relations between fields that the model needs."""
+    if cfg.head_dim < 1:
+        raise CheckpointError(f"{source}: head_dim (null: hidden_size / num_attention_heads) must be >= 1, "
+                              f"got {cfg.head_dim}")
+    if not 0 < cfg.partial_rotary_factor <= 1 or cfg.rotary_dim % 2 or cfg.rotary_dim == 0:
+        raise CheckpointError(f"{source}: partial_rotary_factor={cfg.partial_rotary_factor} with head_dim="
+                              f"{cfg.head_dim} must give an even rotary width in [2, head_dim]")
+    if "linear_attention" in cfg.layer_types:
+        dims = {"linear_num_key_heads": cfg.linear_num_key_heads, "linear_num_value_heads": cfg.linear_num_value_heads,
+                "linear_key_head_dim": cfg.linear_key_head_dim, "linear_value_head_dim": cfg.linear_value_head_dim}
+        for key, value in dims.items():
+            if value < 1:
+                raise CheckpointError(f"{source}: field {key!r} must be an integer >= 1 for linear_attention "
+                                      f"layers, got {value}")
+        if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
+            raise CheckpointError(f"{source}: linear_num_value_heads={cfg.linear_num_value_heads} is not a "
+                                  f"multiple of linear_num_key_heads={cfg.linear_num_key_heads}")
+    for eos in cfg.eos_token_ids:
+        if eos >= cfg.vocab_size:
+            raise CheckpointError(f"{source}: eos_token_id {eos} is outside the vocabulary [0, {cfg.vocab_size})")
+
+
+def _eos_ids(generation: _Fields, config: _Fields) -> tuple[int, ...]:
     """EOS ids from generation_config.json, falling back to config.json; int or list in either."""
     ids: list[int] = []
-    for source in (generation, raw):
-        value = source.get("eos_token_id")
+    for fields in (generation, config):
+        value = fields.raw.get("eos_token_id")
         if value is None:
             continue
         for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                fields.fail("eos_token_id", "must be an integer >= 0 or a list of them", value)
             if token not in ids:
-                ids.append(int(token))
+                ids.append(token)
     return tuple(ids)

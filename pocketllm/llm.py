@@ -6,12 +6,13 @@ import itertools
 import logging
 import warnings
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from .cache import SlotCache
+from .cache import SlotCache, cache_bytes, layer_specs, require_memory
 from .config import EngineArgs, ModelConfig
 from .kernels import Ops, get_ops
 from .kernels.probe import ProbeReport, probe_row_invariance
@@ -19,7 +20,7 @@ from .models import build_model
 from .outputs import GenerationResult
 from .runner import ModelRunner
 from .sampling import SamplingParams
-from .scheduler import BatchScheduler, Request, validate_prompt
+from .scheduler import BatchScheduler, Request, is_array, validate_prompt
 from .tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ class Capabilities:
     max_batch_size: int
     max_seq_len: int
     batch_invariant: bool
+    cache_bytes: int  # size of the slot cache
 
 
 class LLM:
@@ -55,6 +57,7 @@ class LLM:
         self.device = torch.device(args.device)
         self.model_config = ModelConfig.from_dir(args.model)
         engine = args.options.engine
+        self._check_memory()
         self.ops = get_ops(args.backend, args.options.backend.batch_invariant)
         self.model = build_model(args.model, self.model_config, self.ops, args.torch_dtype, self.device,
                                  args.max_seq_len)
@@ -73,7 +76,7 @@ class LLM:
                                             request_ids=self._ids)
             weakref.finalize(self, self.scheduler.stop)
         self.capabilities = Capabilities(self.scheduler is not None, args.backend, args.max_batch_size,
-                                         args.max_seq_len, batch_invariant)
+                                         args.max_seq_len, batch_invariant, self.cache.nbytes)
 
     def _check_invariance(self) -> bool:
         """Whether this engine keeps the invariance contract here. The triton kernels are invariant
@@ -97,6 +100,16 @@ class LLM:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
         return report.ok
 
+    def _check_memory(self) -> None:
+        """Refuse, before any weight is read, a cache (and rope tables, one row per position) larger
+        than the device's available memory: ValueError naming max_seq_len and max_batch_size."""
+        cfg, args = self.model_config, self.args
+        slots = cache_bytes(args.max_batch_size, args.max_seq_len, layer_specs(cfg), args.torch_dtype)
+        rope = 2 * args.max_seq_len * cfg.rotary_dim * 4
+        require_memory(slots + rope, self.device, f"a slot cache of max_batch_size={args.max_batch_size} slots x "
+                                                  f"max_seq_len={args.max_seq_len} positions ({slots} bytes) "
+                                                  f"with its rope tables ({rope} bytes)")
+
     def close(self) -> None:
         """Stop the scheduler thread (if any); unfinished requests end as "cancelled"."""
         if self.scheduler is not None:
@@ -119,7 +132,8 @@ class LLM:
                  prompts: str | Sequence[str] | None = None) -> GenerationResult | list[GenerationResult]:
         """One prompt -> one result; a list of prompts -> a list of results.
 
-        A prompt is token ids (`prompt_tokens`, a list of ints) or text (`prompts`, a str), not both:
+        A prompt is token ids (`prompt_tokens`: a list of ints, or a 1-D integer numpy array or torch
+        tensor) or text (`prompts`, a str), not both:
         text goes through the model directory's tokenizer.json, with no special tokens added. When
         the model has a tokenizer, each result's `text` is its token_ids decoded.
         `sampling_params` is one SamplingParams for all prompts or a list, one per prompt. Every
@@ -135,19 +149,11 @@ class LLM:
         elif isinstance(prompt_tokens, str):
             raise TypeError("prompt_tokens must be a list of ints, got str (text goes in prompts=)")
         else:
-            single = isinstance(prompt_tokens, Sequence) and len(prompt_tokens) > 0 and not isinstance(
-                prompt_tokens[0], Sequence)
+            single = is_array(prompt_tokens) or not (
+                isinstance(prompt_tokens, Sequence) and len(prompt_tokens) > 0
+                and (is_array(prompt_tokens[0]) or isinstance(prompt_tokens[0], Sequence)))
             token_prompts = [prompt_tokens] if single else list(prompt_tokens)
-            if not token_prompts:
-                raise ValueError("prompt_tokens must not be empty")
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(token_prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(token_prompts):
-                raise ValueError(f"got {len(params_list)} sampling_params for {len(token_prompts)} prompts")
+        params_list = _params_list(sampling_params, len(token_prompts))
         if self.scheduler is not None:
             # Stepped on this thread, not the scheduler's (see BatchScheduler.generate).
             results = self.scheduler.generate(self._validated(token_prompts, params_list))
@@ -190,6 +196,23 @@ class LLM:
                 request.append(token, logprob)
         except Exception as exc:  # the engine keeps serving; the request records why it ended
             request.finish("error", f"{type(exc).__name__}: {exc}")
-        finally:
-            self.cache.free(request.slot, request.held_tokens())
+        finally:  # a failed forward may have written the slot: then it claims no contents
+            self.cache.free(request.slot, [] if request.finish_reason == "error" else request.held_tokens())
         return request.result()
+
+
+def _params_list(sampling_params: Any, count: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt: None (defaults) or one SamplingParams for all, or a list of them."""
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    if isinstance(sampling_params, Mapping):
+        raise TypeError("sampling_params must be a SamplingParams or a list of them, got a dict; "
+                        "use SamplingParams(**the_dict)")
+    if isinstance(sampling_params, (str, bytes)) or not isinstance(sampling_params, Sequence):
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
+                        f"got {type(sampling_params).__name__}")
+    if len(sampling_params) != count:
+        raise ValueError(f"got {len(sampling_params)} sampling_params for {count} prompts")
+    return list(sampling_params)

@@ -1,6 +1,9 @@
 """ModelRunner: a list of sequences -> one ForwardBatch -> model forward -> one sampled token each.
 
 The serial path and the batch scheduler both step requests through here, on the same slot cache.
+A forward either returns a finite (token, logprob) for every sequence, or raises with the
+recurrent (Gated DeltaNet) states of its slots as they were before it: so a failed batch can be
+rerun, request by request, to find the request that failed.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ class SequenceInput:
     seed: int
 
 
+class NonFiniteOutputError(RuntimeError):
+    """Logits or a sampled logprob that is NaN or infinite, or a sampled token outside the vocabulary."""
+
+
 def _as_int64(seed: int) -> int:
     """A seed in [0, 2^64) as the int64 with the same 64 bits."""
     return seed - (1 << 64) if seed >= 1 << 63 else seed
@@ -40,12 +47,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, seqs: list[SequenceInput], is_decode: bool) -> list[tuple[int, float]]:
-        """One forward over all `seqs`; returns (token, logprob) sampled for each, in order."""
+        """One forward over all `seqs`; returns (token, logprob) sampled for each, in order.
+
+        Raises NonFiniteOutputError for a non-finite output; on any exception the slots' recurrent
+        states are restored first (K/V need no restoring: a rerun rewrites the same positions)."""
         if not seqs:
             return []
-        batch = ForwardBatch.build([s.slot for s in seqs], [s.start for s in seqs], [s.token_ids for s in seqs],
-                                   is_decode, self.device)
+        slots, starts = [s.slot for s in seqs], [s.start for s in seqs]
+        saved = self.cache.snapshot_states(slots, starts)
+        try:
+            return self._forward_and_sample(seqs, slots, starts, is_decode)
+        except BaseException:
+            self.cache.restore_states(saved)
+            raise
+
+    def _forward_and_sample(self, seqs: list[SequenceInput], slots: list[int], starts: list[int],
+                            is_decode: bool) -> list[tuple[int, float]]:
+        batch = ForwardBatch.build(slots, starts, [s.token_ids for s in seqs], is_decode, self.device)
         logits = self.model.forward(batch, self.cache)
+        finite = torch.isfinite(logits).all(dim=-1)
+        if not bool(finite.all()):
+            raise NonFiniteOutputError(f"the model produced non-finite logits (NaN or inf) for sequence(s) "
+                                       f"{_false_rows(finite)} of {len(seqs)}")
 
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)
@@ -58,4 +81,12 @@ class ModelRunner:
             column([_as_int64(s.seed) for s in seqs], torch.int64),
             column([s.start + len(s.token_ids) for s in seqs], torch.int64),
         )
+        valid = torch.isfinite(logprobs) & (tokens >= 0) & (tokens < logits.shape[-1])
+        if not bool(valid.all()):
+            raise NonFiniteOutputError(f"the sampler returned a non-finite logprob or a token outside the vocabulary "
+                                       f"for sequence(s) {_false_rows(valid)} of {len(seqs)}")
         return list(zip(tokens.tolist(), logprobs.tolist()))
+
+
+def _false_rows(mask: torch.Tensor) -> list[int]:
+    return [i for i, ok in enumerate(mask.tolist()) if not ok]

@@ -3,22 +3,46 @@
 from __future__ import annotations
 
 import math
+import numbers
 import secrets
 from dataclasses import dataclass
 
 MAX_SEED = 2**64 - 1
 # Below this temperature sampling is greedy: dividing logits by a smaller one overflows fp32.
 MIN_TEMPERATURE = 1e-5
+MAX_TOP_K = 2**63 - 1  # the sampler's int64
+MAX_TEMPERATURE = 3.4028234663852886e38  # the largest fp32: the sampler divides fp32 logits by it
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _short(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _int_in(name: str, value: object, low: int, high: int | None, rule: str) -> int:
+    """`value` as an int (numpy and other Integral types accepted, bool not) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+            or not low <= value or (high is not None and value > high):
+        raise ValueError(f"{name} must be {rule}, got {_short(value)}")
+    return int(value)
+
+
+def _real(value: object) -> float | None:
+    """`value` as a float (inf when too large for one), or None when it is not a real number."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 (or below MIN_TEMPERATURE) is greedy. top_k 0 and top_p 1 disable those filters. A request without a
-    seed gets a random one at submission, reported in its result so the run can be replayed."""
+    seed gets a random one at submission, reported in its result so the run can be replayed.
+    Every field is checked on construction: ValueError (TypeError for a container of the wrong
+    kind) naming the field and its allowed range."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -29,26 +53,27 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
-                or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) \
-                or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
-            raise ValueError(f"seed must be None or an int in [0, 2**64 - 1], got {self.seed!r}")
-        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
-            raise TypeError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}")
+        set_field = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
+        set_field("max_tokens", _int_in("max_tokens", self.max_tokens, 1, None, "an int >= 1"))
+        temperature = _real(self.temperature)
+        if temperature is None or not 0 <= temperature <= MAX_TEMPERATURE:  # NaN fails both comparisons
+            raise ValueError(f"temperature must be a finite number >= 0 and <= {MAX_TEMPERATURE:.4g} (the largest "
+                             f"fp32), got {_short(self.temperature)}")
+        set_field("temperature", temperature)
+        set_field("top_k", _int_in("top_k", self.top_k, 0, MAX_TOP_K, "an int >= 0 (0 disables it) and < 2**63"))
+        top_p = _real(self.top_p)
+        if top_p is None or not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {_short(self.top_p)}")
+        set_field("top_p", top_p)
+        if self.seed is not None:
+            set_field("seed", _int_in("seed", self.seed, 0, MAX_SEED, "None or an int in [0, 2**64 - 1]"))
+        if isinstance(self.stop_token_ids, (str, bytes, bytearray)) or not hasattr(self.stop_token_ids, "__iter__"):
+            raise TypeError(f"stop_token_ids must be a sequence of ints, got {_short(self.stop_token_ids)}")
         stop = tuple(self.stop_token_ids)
-        if not all(_is_int(t) and t >= 0 for t in stop):
-            raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
-        object.__setattr__(self, "stop_token_ids", stop)
+        set_field("stop_token_ids", tuple(_int_in("stop_token_ids", t, 0, None, "ints >= 0")
+                                          for t in stop))
         if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise TypeError(f"ignore_eos must be a bool, got {_short(self.ignore_eos)}")
 
     @property
     def greedy(self) -> bool:

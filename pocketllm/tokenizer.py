@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .config import CheckpointError, read_json_object
+
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
@@ -35,7 +37,8 @@ def load_tokenizer(model_dir: str | Path, required: bool = False) -> Tokenizer |
 
     Token ids need neither the file nor the package, so without one of them this returns None;
     with `required` (a text prompt) it raises instead: ValueError naming the directory when the
-    file is missing, ImportError naming the extra to install when the package is.
+    file is missing, ImportError naming the extra to install when the package is. A file that does
+    not load is a CheckpointError naming it.
     """
     path = Path(model_dir) / TOKENIZER_FILE
     if not path.is_file():
@@ -50,7 +53,13 @@ def load_tokenizer(model_dir: str | Path, required: bool = False) -> Tokenizer |
             raise ImportError(f"text prompts need the tokenizers package to read {path}: "
                               f"pip install 'pocketllm[text]'") from exc
         return None
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # the tokenizers package's own error (a Rust panic included): which file, why
+        read_json_object(path)  # not JSON, or not an object: the precise reason
+        raise CheckpointError(f"{path}: not a tokenizer the tokenizers package can load ({exc})") from None
 
 
 def _byte_symbols() -> list[str]:

@@ -109,6 +109,20 @@ def _multimodal(raw: dict[str, Any],
     return config, nested
 
 
+# What a loader reads from a model directory: stale copies of these must not outlive a rewrite
+# (an old shard index would otherwise win over new single-file weights).
+CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+CHECKPOINT_PATTERNS = ("*.safetensors", "*.safetensors.index.json")
+
+
+def _remove_checkpoint_files(path: Path) -> None:
+    """Delete the checkpoint files of an earlier checkpoint in `path`; other files stay."""
+    stale = [path / name for name in CHECKPOINT_FILES] + [p for pattern in CHECKPOINT_PATTERNS for p in path.glob(pattern)]
+    for file in stale:
+        if file.is_file() or file.is_symlink():
+            file.unlink()
+
+
 def write_checkpoint(path: str | Path, preset: str = "tiny", seed: int = 0, init_std: float = 0.02,
                      max_shard_bytes: int | None = None, multimodal: bool = False, **overrides: Any) -> Path:
     """Write a random checkpoint of `preset` (config fields replaced by `overrides`) to `path`.
@@ -117,7 +131,8 @@ def write_checkpoint(path: str | Path, preset: str = "tiny", seed: int = 0, init
     With `max_shard_bytes`, weights are split into model-0000N-of-0000M.safetensors shards with a
     model.safetensors.index.json, as large Hugging Face checkpoints are.
     A byte-level tokenizer.json and tokenizer_config.json come with it (see pocketllm.tokenizer),
-    unless an override makes vocab_size smaller than the 256 bytes.
+    unless an override makes vocab_size smaller than the 256 bytes. The files of an earlier
+    checkpoint in `path` (CHECKPOINT_FILES, CHECKPOINT_PATTERNS) are removed first.
     """
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
@@ -127,6 +142,7 @@ def write_checkpoint(path: str | Path, preset: str = "tiny", seed: int = 0, init
         raise ValueError(f"multimodal=True needs a Qwen3.5 preset, got {preset!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    _remove_checkpoint_files(path)
     weights = random_weights(cfg, seed, init_std)
     if multimodal:
         raw, weights = _multimodal(raw, weights)

@@ -12,6 +12,11 @@ run outside the lock, so submit, cancel and poll never wait for the model.
 Prefill is batched: every request admitted in a step is prefilled in one varlen forward. Decode
 runs every running request in one forward. Every submitted request reaches exactly one terminal
 state ("stop", "length", "cancelled" or "error"), and its slot is freed when it does.
+
+A failure is its own request's: when a batched forward raises (an op's exception, out of memory,
+non-finite output), each of its requests is rerun alone. Ops are batch invariant, so the requests
+that succeed get bitwise the tokens of the batched (and serial) run; the ones that fail again end
+with "error". Every counter and the timeline change under `_lock`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import math
+import numbers
 import threading
 import time
 from typing import Callable, Iterator, Sequence
@@ -34,6 +41,11 @@ from .timeline import SlotEvent
 logger = logging.getLogger(__name__)
 
 Callback = Callable[[GenerationResult], None]
+LATENCY_WINDOW = 100_000  # requests whose TTFT and total time the latency statistics cover
+# (token, logprob) for a request whose forward succeeded, else the exception that ended it.
+Outcome = tuple[int, float] | BaseException
+# (request, tokens it fed, start, end) of each forward a request took part in, for the timeline.
+Span = tuple[Request, int, float, float]
 
 
 class BatchScheduler:
@@ -58,8 +70,9 @@ class BatchScheduler:
         self._stopped = False
         self._drivers = 0  # callers stepping the loop themselves (see run_until_finished)
         self._counts = collections.Counter()
-        self._ttfts: list[float] = []
-        self._totals: list[float] = []
+        # Latencies of the most recent requests only, so that a long-running engine's memory stays bounded.
+        self._ttfts: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
+        self._totals: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
         self._busy_time = 0.0
         self._started = time.perf_counter()
         # Per-forward slot events, when recording (read it once the work is done).
@@ -76,6 +89,8 @@ class BatchScheduler:
         """Queue a request; returns its id. Bad input raises TypeError/ValueError and queues nothing."""
         sampling = sampling if sampling is not None else SamplingParams()
         prompt = validate_prompt(prompt_tokens, sampling, self.vocab_size, self.max_seq_len)
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
         with self._lock:
             if self._stopped:
                 raise RuntimeError("scheduler is stopped; no new requests are accepted")
@@ -107,9 +122,10 @@ class BatchScheduler:
 
     def poll_result(self, request_id: int, timeout_ms: float | None = 0) -> GenerationResult | None:
         """The request's result once it has finished, else None after waiting up to `timeout_ms`
-        (None: wait as long as it takes). A result is handed over once; then the id is unknown.
-        Raises KeyError for an id that was never submitted or was already collected."""
-        deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000.0
+        (None or math.inf: wait as long as it takes). A result is handed over once; then the id is
+        unknown. Raises KeyError for an id that was never submitted or was already collected,
+        ValueError for a negative or NaN timeout."""
+        deadline = _deadline(timeout_ms)
         with self._lock:
             while True:
                 request = self._requests.get(request_id)
@@ -121,7 +137,7 @@ class BatchScheduler:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return None
-                self._done.wait(remaining)
+                self._done.wait(None if remaining is None else min(remaining, threading.TIMEOUT_MAX))
 
     def get_stats(self) -> SchedulerStats:
         with self._lock:
@@ -131,7 +147,7 @@ class BatchScheduler:
                 finished=c["finished"], cancelled=c["cancelled"], errored=c["error"],
                 prompt_tokens=c["prompt_tokens"], generated_tokens=c["generated_tokens"], steps=c["steps"],
                 prefill_batches=c["prefill_batches"], decode_batches=c["decode_batches"],
-                callback_errors=c["callback_errors"], busy_time_s=self._busy_time)
+                callback_errors=c["callback_errors"], busy_time_s=self._busy_time, cache_bytes=self.cache.nbytes)
 
     def stop(self) -> None:
         """Stop the loop: every request not yet finished ends as "cancelled", the thread is joined."""
@@ -188,8 +204,8 @@ class BatchScheduler:
                 prefill = self._admit_requests()
                 decode = [r for r in self._running if r.token_ids and not r.finished and not r.cancel_requested]
             try:
-                self._run_prefill_batch(prefill)
-                self._run_decode_batch(decode)
+                self._run_batch(prefill, is_decode=False)
+                self._run_batch(decode, is_decode=True)
             finally:
                 with self._lock:
                     self._stepping = False
@@ -208,7 +224,7 @@ class BatchScheduler:
                     return
             try:
                 self.step()
-            except Exception:  # a bug in the loop must not kill the thread silently
+            except BaseException:  # whatever a step raises (SystemExit included), the loop keeps serving
                 logger.exception("scheduler step failed")
 
     def _admit_requests(self) -> list[Request]:
@@ -222,33 +238,59 @@ class BatchScheduler:
             admitted.append(request)
         return admitted
 
-    def _run_prefill_batch(self, requests: list[Request]) -> None:
-        if requests:
-            self._counts["prefill_batches"] += 1
-            self._run(requests, [r.prefill_input() for r in requests], is_decode=False)
-
-    def _run_decode_batch(self, requests: list[Request]) -> None:
-        if requests:
-            self._counts["decode_batches"] += 1
-            self._run(requests, [r.decode_input() for r in requests], is_decode=True)
-
-    def _run(self, requests: list[Request], inputs: list, is_decode: bool) -> None:
-        """One forward; a failure ends every request of the batch with "error", not the loop."""
-        start = time.perf_counter()
-        try:
-            outputs = self.runner.run(inputs, is_decode)
-        except Exception as exc:
-            logger.exception("forward pass failed; failing %d request(s)", len(requests))
-            for request in requests:
-                request.finish("error", f"{type(exc).__name__}: {exc}")
+    def _run_batch(self, requests: list[Request], is_decode: bool) -> None:
+        """Run one prefill or decode batch and apply its outcomes under the lock. An exception that
+        is not an Exception (KeyboardInterrupt, SystemExit) ends the batch with "error" and propagates."""
+        if not requests:
             return
-        if self.timeline is not None:
-            end, step = time.perf_counter() - self._started, self._counts["steps"]
-            self.timeline.extend(SlotEvent(step, "decode" if is_decode else "prefill", r.slot, r.request_id,
-                                           len(i.token_ids), start - self._started, end)
-                                 for r, i in zip(requests, inputs))
-        for request, (token, logprob) in zip(requests, outputs):
-            request.append(token, logprob)
+        spans: list[Span] = []
+        outcomes: list[Outcome] = []
+        try:
+            outcomes = self._forward(requests, is_decode, spans)
+        except BaseException as exc:
+            outcomes = [exc] * len(requests)
+            raise
+        finally:
+            with self._lock:
+                self._counts["decode_batches" if is_decode else "prefill_batches"] += 1
+                if self.timeline is not None:
+                    step = self._counts["steps"]
+                    self.timeline.extend(
+                        SlotEvent(step, "decode" if is_decode else "prefill", r.slot, r.request_id, n,
+                                  begin - self._started, end - self._started) for r, n, begin, end in spans)
+                for request, outcome in zip(requests, outcomes):
+                    if isinstance(outcome, BaseException):
+                        request.finish("error", f"{type(outcome).__name__}: {outcome}")
+                    else:
+                        request.append(*outcome)
+
+    def _forward(self, requests: list[Request], is_decode: bool, spans: list[Span]) -> list[Outcome]:
+        """One forward for the batch; if it raises, one forward per request, so that only the
+        requests that fail alone end with their exception."""
+        inputs = [r.decode_input() if is_decode else r.prefill_input() for r in requests]
+        try:
+            return self._timed_run(requests, inputs, is_decode, spans)
+        except Exception as exc:
+            if len(requests) == 1:
+                logger.error("forward pass failed for request %d", requests[0].request_id, exc_info=exc)
+                return [exc]
+            logger.warning("forward pass of %d requests failed (%s: %s); rerunning each alone",
+                           len(requests), type(exc).__name__, exc)
+        outcomes: list[Outcome] = []
+        for request, seq in zip(requests, inputs):
+            try:
+                outcomes += self._timed_run([request], [seq], is_decode, spans)
+            except Exception as exc:
+                logger.error("forward pass failed for request %d", request.request_id, exc_info=exc)
+                outcomes.append(exc)
+        return outcomes
+
+    def _timed_run(self, requests: list[Request], inputs: list, is_decode: bool, spans: list[Span]) -> list[Outcome]:
+        start = time.perf_counter()
+        outputs = self.runner.run(inputs, is_decode)
+        end = time.perf_counter()
+        spans.extend((r, len(i.token_ids), start, end) for r, i in zip(requests, inputs))
+        return outputs
 
     def _handle_completions(self) -> list[Request]:
         """Free the slots of finished or cancelled requests and publish their results. Lock held."""
@@ -258,7 +300,8 @@ class BatchScheduler:
                 request.finish("cancelled")
             if request.finished:
                 self._running.remove(request)
-                self.cache.free(request.slot, request.held_tokens())
+                # A failed request's slot claims no contents: a failed forward may have written them.
+                self.cache.free(request.slot, [] if request.finish_reason == "error" else request.held_tokens())
                 request.slot = None
                 finished.append(request)
         for request in finished:
@@ -284,14 +327,32 @@ class BatchScheduler:
         self._totals.append(result.total_time_s)
 
     def _fire_callbacks(self, finished: list[Request]) -> None:
-        """Run callbacks outside the lock; one that raises is logged and counted, nothing more."""
+        """Run callbacks outside the lock; one that raises anything (SystemExit and KeyboardInterrupt
+        included: a callback must not end the scheduler) is logged and counted, nothing more."""
         for request in finished:
-            callback = self._callbacks.pop(request.request_id, None)
+            with self._lock:
+                callback = self._callbacks.pop(request.request_id, None)
             if callback is None:
                 continue
             try:
                 callback(request.result())
-            except Exception:
+            except BaseException:
                 logger.exception("callback for request %d raised", request.request_id)
                 with self._lock:
                     self._counts["callback_errors"] += 1
+
+
+def _deadline(timeout_ms: float | None) -> float | None:
+    """The monotonic time at which a poll gives up; None to wait forever (None or math.inf)."""
+    if timeout_ms is None:
+        return None
+    if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, numbers.Real):
+        raise TypeError(f"timeout_ms must be a number of milliseconds >= 0, None or math.inf, "
+                        f"got {type(timeout_ms).__name__}")
+    try:
+        timeout_s = float(timeout_ms) / 1000.0
+    except OverflowError:  # an int too large for a float: longer than anyone waits
+        return None
+    if math.isnan(timeout_s) or timeout_s < 0:
+        raise ValueError(f"timeout_ms must be >= 0, None or math.inf (wait forever), got {timeout_ms!r}")
+    return None if math.isinf(timeout_s) else time.monotonic() + timeout_s

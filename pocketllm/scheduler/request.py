@@ -3,13 +3,47 @@
 from __future__ import annotations
 
 import enum
+import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
+
+import torch
 
 from ..outputs import GenerationResult
 from ..runner import SequenceInput
 from ..sampling import SamplingParams
+
+
+def is_array(value: Any) -> bool:
+    """A numpy array or torch tensor (anything with ndim, dtype and tolist)."""
+    return all(hasattr(value, name) for name in ("ndim", "dtype", "tolist")) and not isinstance(value, numbers.Number)
+
+
+def _integer_dtype(dtype: Any) -> bool:
+    if isinstance(dtype, torch.dtype):
+        return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    return getattr(dtype, "kind", None) in ("i", "u")
+
+
+def token_list(prompt_tokens: Any) -> list[int]:
+    """One prompt as a list of Python ints: a sequence of ints, or a 1-D integer numpy array or
+    torch tensor. TypeError naming what was given otherwise."""
+    if is_array(prompt_tokens):
+        if prompt_tokens.ndim != 1:
+            raise TypeError(f"prompt_tokens as an array must be 1-D (one prompt), got {prompt_tokens.ndim}-D; "
+                            "pass a list of 1-D prompts for several")
+        if not _integer_dtype(prompt_tokens.dtype):
+            raise TypeError(f"prompt_tokens as an array must have an integer dtype, got {prompt_tokens.dtype}")
+        return prompt_tokens.tolist()
+    if isinstance(prompt_tokens, (str, bytes, bytearray)) or not isinstance(prompt_tokens, Sequence):
+        raise TypeError(f"prompt_tokens must be a list of ints, got {type(prompt_tokens).__name__} "
+                        "(a 1-D integer numpy array or torch tensor is accepted too)")
+    prompt = list(prompt_tokens)
+    for i, token in enumerate(prompt):
+        if not isinstance(token, numbers.Integral) or isinstance(token, bool):
+            raise TypeError(f"prompt_tokens[{i}] must be an int, got {type(token).__name__}")
+    return [int(token) for token in prompt]
 
 
 def validate_prompt(prompt_tokens: Sequence[int], params: SamplingParams, vocab_size: int,
@@ -18,14 +52,10 @@ def validate_prompt(prompt_tokens: Sequence[int], params: SamplingParams, vocab_
     as a list of ints. Raises TypeError/ValueError naming the field and the allowed range."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-    if isinstance(prompt_tokens, (str, bytes)) or not isinstance(prompt_tokens, Sequence):
-        raise TypeError(f"prompt_tokens must be a list of ints, got {type(prompt_tokens).__name__}")
-    prompt = list(prompt_tokens)
+    prompt = token_list(prompt_tokens)
     if not prompt:
         raise ValueError("prompt_tokens must not be empty")
     for i, token in enumerate(prompt):
-        if not isinstance(token, int) or isinstance(token, bool):
-            raise TypeError(f"prompt_tokens[{i}] must be an int, got {type(token).__name__}")
         if not 0 <= token < vocab_size:
             raise ValueError(f"prompt_tokens[{i}]={token} is outside the vocabulary [0, {vocab_size})")
     for token in params.stop_token_ids:

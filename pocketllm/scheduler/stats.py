@@ -16,6 +16,9 @@ def percentile(values: list[float], q: float) -> float:
 
 @dataclass(frozen=True)
 class SchedulerStats:
+    """Counts since the scheduler started; latency figures (ttft_*, total_time_*) over the most
+    recent requests (batch_scheduler.LATENCY_WINDOW of them)."""
+
     waiting: int
     running: int
     finished: int  # ended with "stop" or "length"
@@ -28,6 +31,7 @@ class SchedulerStats:
     decode_batches: int
     callback_errors: int
     busy_time_s: float  # time spent inside steps that ran a forward
+    cache_bytes: int  # size of the slot cache the scheduler runs on
     ttft_mean_s: float
     ttft_p50_s: float
     ttft_p99_s: float

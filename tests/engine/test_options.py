@@ -15,7 +15,8 @@ def test_none_and_empty_mean_defaults():
     args = EngineArgs(model="x", backend_options=None)
     assert args.options == Options(EngineOptions(), BackendOptions())
     assert args.backend_options == {"enable_batching": False, "max_batch_size": 8, "background_thread": True,
-                                    "record_timeline": False, "batch_invariant": True}
+                                    "record_timeline": False, "batch_invariant": True,
+                                    "invariance_probe": True}
 
 
 def test_keys_go_to_their_group_and_the_options_are_frozen():

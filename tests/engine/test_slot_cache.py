@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pocketllm.cache import AttentionCacheSpec, RecurrentCacheSpec, SlotCache
+from pocketllm.cache import AttentionCacheSpec, RecurrentCacheSpec, SlotCache, SlotCacheError
 
 LAYERS = [AttentionCacheSpec(num_kv_heads=2, head_dim=8),
           RecurrentCacheSpec(conv_dim=6, conv_width=4, num_heads=3, key_dim=5, value_dim=7)]
@@ -35,7 +35,7 @@ def test_allocate_takes_the_lowest_free_slot_and_zeroes_only_its_states():
     cache = SlotCache(3, 8, LAYERS, torch.float32)
     assert [cache.allocate() for _ in range(3)] == [0, 1, 2]
     assert cache.num_free == 0
-    with pytest.raises(RuntimeError, match="all 3 cache slots are in use"):
+    with pytest.raises(SlotCacheError, match="all 3 cache slots are in use"):
         cache.allocate()
     for state in (cache.conv[1], cache.recurrent[1], cache.k[0]):
         state.fill_(1.0)
@@ -54,10 +54,10 @@ def test_free_rejects_slots_not_in_use():
     cache = SlotCache(2, 8, LAYERS[:1], torch.float32)
     slot = cache.allocate()
     for bad in (1, -1, 2):  # free already, negative, out of range
-        with pytest.raises(ValueError, match=rf"slot {bad} is not allocated \(slots 0..1\)"):
+        with pytest.raises(SlotCacheError, match=rf"slot {bad} is not allocated \(slots 0..1\)"):
             cache.free(bad, [])
     cache.free(slot, [1])
-    with pytest.raises(ValueError, match="slot 0 is not allocated"):
+    with pytest.raises(SlotCacheError, match="slot 0 is not allocated"):
         cache.free(slot, [1])
     assert cache.num_free == 2 and cache.slot_tokens[0] == [1]
 

@@ -101,16 +101,16 @@ def test_raising_callback_is_logged_counted_and_contained(make_llm, drain, wait_
     assert llm.cache.num_free == 2
 
 
-def failing_run(llm, monkeypatch, fail_on):
+def failing_run(llm, monkeypatch, fail_on, once: bool = True):
     """Patch llm.runner.run to raise RuntimeError("boom") on the calls for which
-    fail_on(call_index, is_decode) is true (only the first such call); returns the call log."""
+    fail_on(call_index, is_decode) is true (with `once`, only the first such call); returns the call log."""
     real = llm.runner.run
     log = {"calls": 0, "failed": 0}
 
     def run(seqs, is_decode):
         index = log["calls"]
         log["calls"] += 1
-        if not log["failed"] and fail_on(index, is_decode):
+        if not (once and log["failed"]) and fail_on(index, is_decode):
             log["failed"] += 1
             raise RuntimeError("boom")
         return real(seqs, is_decode)
@@ -120,30 +120,33 @@ def failing_run(llm, monkeypatch, fail_on):
 
 
 def test_prefill_failure_errors_its_batch_and_keeps_serving(make_llm, drain, monkeypatch, caplog):
-    """A prefill forward that raises ends every request of that batch with "error" (and the
-    exception in result.error), frees their slots, is logged, and the scheduler keeps serving."""
+    """When every prefill forward raises, each request of the batch is tried alone, ends with
+    "error" (and the exception in result.error), frees its slot and is logged; the scheduler keeps
+    serving."""
     llm = make_llm(max_batch_size=3)
     s = llm.scheduler
     reference_id = s.submit_request([5, 6, 7], greedy(3))
     drain(s)
     reference = s.poll_result(reference_id)
 
-    log = failing_run(llm, monkeypatch, lambda i, is_decode: not is_decode)
+    log = failing_run(llm, monkeypatch, lambda i, is_decode: not is_decode, once=False)
     caplog.set_level(logging.ERROR, logger=LOGGER)
     cb = Callbacks()
     ids = [s.submit_request(p, greedy(3), callback=cb) for p in ([1], [2, 3], [4, 5, 6])]
     s.step()
-    assert log["failed"] == 1
+    assert log["failed"] == 1 + len(ids)  # the batch, then each request alone
     assert llm.cache.num_free == 3 and not s.has_work
     for rid in ids:
         result = s.poll_result(rid)
         assert result.finish_reason == "error" and result.token_ids == []
         assert result.error is not None and "RuntimeError" in result.error and "boom" in result.error
     assert dict(cb.count) == {rid: 1 for rid in ids}
-    assert any("forward pass failed" in r.getMessage() for r in caplog.records if r.name == LOGGER)
+    failed = {r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.ERROR}
+    assert failed == {f"forward pass failed for request {rid}" for rid in ids}
     stats = s.get_stats()
     assert (stats.errored, stats.finished, stats.waiting, stats.running) == (3, 1, 0, 0)
 
+    monkeypatch.undo()
     again = s.submit_request([5, 6, 7], greedy(3))
     drain(s)
     result = s.poll_result(again)
@@ -151,9 +154,32 @@ def test_prefill_failure_errors_its_batch_and_keeps_serving(make_llm, drain, mon
     assert llm.cache.num_free == 3
 
 
+def test_transient_batch_failure_is_retried_per_request(make_llm, drain, monkeypatch):
+    """A prefill batch, and later a decode batch, whose forward raises once is rerun request by
+    request: every request finishes normally, with the tokens and logprobs of its undisturbed run."""
+    llm = make_llm(max_batch_size=3)
+    s = llm.scheduler
+    prompts = ([1, 2], [3], [4, 5, 6])
+    ids = [s.submit_request(p, greedy(4)) for p in prompts]
+    drain(s)
+    reference = [s.poll_result(rid) for rid in ids]
+
+    for is_decode_failing in (False, True):
+        log = failing_run(llm, monkeypatch, lambda i, is_decode, f=is_decode_failing: is_decode == f)
+        ids = [s.submit_request(p, greedy(4)) for p in prompts]
+        drain(s)
+        assert log["failed"] == 1
+        for rid, ref in zip(ids, reference):
+            result = s.poll_result(rid)
+            assert result.finish_reason == "length"
+            assert (result.token_ids, result.logprobs) == (ref.token_ids, ref.logprobs)
+        monkeypatch.undo()
+    assert llm.cache.num_free == 3 and s.get_stats().errored == 0
+
+
 def test_decode_failure_errors_only_the_decode_batch(make_llm, drain, monkeypatch):
-    """A decode forward that raises ends the running requests "error" (keeping the tokens they
-    had) and frees their slots; a request prefilled in the same step is unaffected."""
+    """Decode forwards that keep raising end the running requests "error" (keeping the tokens they
+    had) and free their slots; a request prefilled in the same step is unaffected."""
     llm = make_llm(max_batch_size=3)
     s = llm.scheduler
     reference_id = s.submit_request([8, 9], greedy(3))
@@ -163,10 +189,10 @@ def test_decode_failure_errors_only_the_decode_batch(make_llm, drain, monkeypatc
     a = s.submit_request([1, 2], greedy(4))
     b = s.submit_request([3], greedy(4))
     s.step()  # both prefilled
-    log = failing_run(llm, monkeypatch, lambda i, is_decode: is_decode)
+    log = failing_run(llm, monkeypatch, lambda i, is_decode: is_decode and i <= 3, once=False)
     fresh = s.submit_request([8, 9], greedy(3))
-    s.step()  # prefill of `fresh` succeeds, decode of a and b raises
-    assert log["failed"] == 1
+    s.step()  # prefill of `fresh` succeeds; decode of a and b raises, batched and alone
+    assert log["failed"] == 3
     for rid in (a, b):
         result = s.poll_result(rid)
         assert result.finish_reason == "error" and "boom" in result.error and len(result.token_ids) == 1

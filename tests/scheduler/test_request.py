@@ -100,9 +100,9 @@ def test_validate_prompt_accepts_and_copies():
 @pytest.mark.parametrize("prompt,params,error,message", [
     ([1], None, TypeError, r"sampling_params must be a SamplingParams, got NoneType"),
     ([1], "greedy", TypeError, r"sampling_params must be a SamplingParams, got str"),
-    ("abc", PARAMS, TypeError, r"prompt_tokens must be a list of ints, got str"),
-    (b"ab", PARAMS, TypeError, r"prompt_tokens must be a list of ints, got bytes"),
-    (5, PARAMS, TypeError, r"prompt_tokens must be a list of ints, got int"),
+    ("abc", PARAMS, TypeError, r"prompt_tokens must be a list of ints, got str \(a 1-D integer numpy array or torch tensor is accepted too\)"),
+    (b"ab", PARAMS, TypeError, r"prompt_tokens must be a list of ints, got bytes \(a 1-D integer numpy array or torch tensor is accepted too\)"),
+    (5, PARAMS, TypeError, r"prompt_tokens must be a list of ints, got int \(a 1-D integer numpy array or torch tensor is accepted too\)"),
     ([], PARAMS, ValueError, r"prompt_tokens must not be empty"),
     ([1, 2.0], PARAMS, TypeError, r"prompt_tokens\[1\] must be an int, got float"),
     ([True], PARAMS, TypeError, r"prompt_tokens\[0\] must be an int, got bool"),
