@@ -12,9 +12,10 @@ row moves to another position (and, for the linear layers, another tile), and co
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -54,6 +55,10 @@ def _rows_alike(name: str, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.
     if not torch.equal(fn(x.roll(ROLL, 0)), full.roll(ROLL, 0)):
         failures.append(f"{name}: rows change when moved to other positions of a batch of {x.shape[0]}")
     return failures
+
+
+def _apply_linear(linear: Callable, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, weight)
 
 
 def _sampler_rows_alike(sample: Callable, vocab_size: int, generator: torch.Generator,
@@ -99,7 +104,7 @@ def probe_row_invariance(linear: Callable, rms_norm: Callable, silu_and_mul: Cal
             seen.add(tuple(w.shape))
             n, k = w.shape
             checks.append(f"linear {k}->{n}")
-            failures += _rows_alike(checks[-1], lambda x, w=w: linear(x, w), randn(PROBE_ROWS, k))
+            failures += _rows_alike(checks[-1], functools.partial(_apply_linear, linear, w), randn(PROBE_ROWS, k))
         norm_weight = randn(hidden_size)
         checks.append(f"rms_norm {hidden_size}")
         failures += _rows_alike(checks[-1], lambda x: rms_norm(x, norm_weight, 1e-6), randn(PROBE_ROWS, hidden_size))
@@ -107,7 +112,7 @@ def probe_row_invariance(linear: Callable, rms_norm: Callable, silu_and_mul: Cal
         failures += _rows_alike(checks[-1], silu_and_mul, randn(PROBE_ROWS, 2 * hidden_size))
         for fn in (torch.sigmoid, torch.nn.functional.softplus):
             checks.append(fn.__name__)
-            failures += _rows_alike(checks[-1], lambda x, fn=fn: elementwise_invariant(fn, x),
+            failures += _rows_alike(checks[-1], functools.partial(elementwise_invariant, fn),
                                     randn(PROBE_ROWS, hidden_size).float())
         checks.append(f"sample {vocab_size}")
         failures += _sampler_rows_alike(sample, vocab_size, generator, device)
