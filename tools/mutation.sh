@@ -19,7 +19,7 @@ root=${MUTATION_WORKDIR:-/tmp/pocketllm-mutation}
 python=${PYTHON:-python}
 
 declare -A TESTS=(
-  [pocketllm.sampling]="tests/engine/test_generate_api.py -k sampling_params"
+  [pocketllm.sampling]="tests/engine/test_generate_api.py -k sampling_params tests/engine/test_sampling_params.py"
   [pocketllm.cache]="tests/engine/test_slot_cache.py tests/scheduler/test_slot_state.py"
   [pocketllm.models.batch]="tests/models/test_batch.py tests/scheduler/test_slot_state.py"
   [pocketllm.scheduler.request]="tests/scheduler/test_request.py tests/scheduler/test_slot_state.py tests/scheduler/test_lifecycle.py"
