@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from pocketllm import SamplingParams
 
@@ -61,3 +62,42 @@ def test_a_failing_step_is_logged_and_the_thread_goes_on(make_llm, caplog):
     assert failures == [1]
     logged = [r for r in caplog.records if r.getMessage() == "scheduler step failed"]
     assert len(logged) == 1 and "planted" in str(logged[0].exc_info[1])
+
+
+def test_two_concurrent_drivers_keep_the_thread_asleep(make_llm, monkeypatch):
+    """Caller A drives while caller B enters generate(); after A returns, B still drives, so the
+    thread must keep sleeping: every forward runs on A's or B's thread."""
+    llm = make_llm(background=True, max_batch_size=4)
+    names = _record_threads(llm, monkeypatch)
+    recorded_run = llm.runner.run
+    a_inside, b_inside = threading.Event(), threading.Event()
+
+    def run(seqs, is_decode):
+        a_inside.set()
+        b_inside.wait(10)  # A's first forward waits until B is inside generate()
+        time.sleep(0.02)  # slow forwards: a thread that wrongly woke up would get steps
+        return recorded_run(seqs, is_decode)
+
+    monkeypatch.setattr(llm.runner, "run", run)
+    real_submit = llm.scheduler.submit_request
+
+    def submit(*args, **kwargs):
+        request_id = real_submit(*args, **kwargs)
+        if threading.current_thread().name == "B":
+            b_inside.set()
+        return request_id
+
+    monkeypatch.setattr(llm.scheduler, "submit_request", submit)
+    b_results = []
+    b = threading.Thread(name="B", target=lambda: b_results.append(
+        llm.generate(prompt_tokens=[5, 6], sampling_params=SamplingParams(max_tokens=12, temperature=0))))
+    a_result = []
+    a = threading.Thread(name="A", target=lambda: a_result.append(
+        llm.generate(prompt_tokens=[1, 2], sampling_params=SamplingParams(max_tokens=1, temperature=0))))
+    a.start()
+    assert a_inside.wait(10)
+    b.start()
+    a.join(30)
+    b.join(30)
+    assert a_result[0].finish_reason == "length" and b_results[0].finish_reason == "length"
+    assert set(names) <= {"A", "B"} and "B" in names
