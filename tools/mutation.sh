@@ -19,11 +19,11 @@ root=${MUTATION_WORKDIR:-/tmp/pocketllm-mutation}
 python=${PYTHON:-python}
 
 declare -A TESTS=(
-  [pocketllm.sampling]="tests/engine/test_generate_api.py -k sampling_params"
+  [pocketllm.sampling]="tests/engine/test_generate_api.py -k sampling_params tests/engine/test_sampling_params.py"
   [pocketllm.cache]="tests/engine/test_slot_cache.py tests/scheduler/test_slot_state.py"
   [pocketllm.models.batch]="tests/models/test_batch.py tests/scheduler/test_slot_state.py"
   [pocketllm.scheduler.request]="tests/scheduler/test_request.py tests/scheduler/test_slot_state.py tests/scheduler/test_lifecycle.py"
-  [pocketllm.scheduler.batch_scheduler]="tests/scheduler/test_lifecycle.py tests/scheduler/test_cancel_poll.py tests/scheduler/test_callbacks_errors.py tests/scheduler/test_stats.py tests/scheduler/test_slot_state.py"
+  [pocketllm.scheduler.batch_scheduler]="tests/scheduler/test_lifecycle.py tests/scheduler/test_cancel_poll.py tests/scheduler/test_callbacks_errors.py tests/scheduler/test_stats.py tests/scheduler/test_slot_state.py tests/scheduler/test_background_driver.py tests/scheduler/test_step_accounting.py tests/scheduler/test_poll_timeout.py tests/scheduler/test_scheduler_api_edges.py tests/scheduler/test_stop_thread.py --deselect=tests/scheduler/test_stop_thread.py::test_close_from_a_callback_does_not_deadlock"
   [pocketllm.kernels.sampling]="tests/kernels/test_sampling.py tests/kernels/test_sampling_boundaries.py tests/kernels/test_sampling_spec.py"
   [pocketllm.kernels.rmsnorm]="tests/kernels/test_ops_reference.py tests/kernels/test_norm_reference.py"
   [pocketllm.kernels.rope]="tests/kernels/test_ops_reference.py tests/kernels/test_rope_reference.py"

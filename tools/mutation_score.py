@@ -3,8 +3,9 @@
 Usage: python tools/mutation_score.py [MODULE_OR_PATTERN ...]
 A dotted module name selects its mutants; an argument with a `*` is a mutant-name pattern.
 Prints, per module, killed / checked (checked: every mutant run, whatever its outcome) and the
-names of the mutants not killed. Mutants that no selected test reaches ("no tests") count as not
-killed: the selection missed them.
+names of the mutants not killed. A mutant whose tests time out counts as killed (it made them
+hang: detected, as mutmut counts it); one that no selected test reaches ("no tests") counts as not
+killed: the selection missed it.
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ def main(wanted: list[str]) -> None:
         if status in ("not checked", "skipped") or not _selected(name, module, wanted):
             continue
         counts[module][status] += 1
-        if status != "killed":
+        if status not in ("killed", "timeout"):
             not_killed[module].append(f"{name} ({status})")
     print(f"{'module':40} {'mutants':>7} {'killed':>6} {'score':>7}")
     for module, c in sorted(counts.items()):
         checked = sum(c.values())
-        print(f"{module:40} {checked:7} {c['killed']:6} {100.0 * c['killed'] / checked:6.1f}%  {dict(c)}")
+        killed = c["killed"] + c["timeout"]
+        print(f"{module:40} {checked:7} {killed:6} {100.0 * killed / checked:6.1f}%  {dict(c)}")
     for module, names in sorted(not_killed.items()):
         print(f"\n{module}: {len(names)} not killed")
         for name in names:
