@@ -59,7 +59,10 @@ def linear_row_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 # Tile sizes are constants of the module, never derived from M: a row's output tile always has the
 # same shape, the same K blocks in the same order, so its bits cannot depend on the batch.
-# The interpreter runs each program in numpy, so it gets the smallest tiles tl.dot accepts.
+# The interpreter runs each program in numpy, so it gets small tiles. There `tl.dot` is numpy's
+# matmul, i.e. the host BLAS, whose micro-kernels give a row different bits at different positions
+# of the tile; rows move between positions with the batch, so the interpreter computes the tile
+# product as an explicit fp32 product and sum, the same per-element order for every row.
 BLOCK_M, BLOCK_N, BLOCK_K = (16, 32, 32) if INTERPRETED else (64, 64, 64)
 GROUP_M = 8
 NUM_WARPS, NUM_STAGES = 4, 3
@@ -70,7 +73,7 @@ NUM_WARPS, NUM_STAGES = 4, 3
 def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
                    stride_xm, stride_xk, stride_wn, stride_wk, stride_om,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, HOST_DOT: tl.constexpr):
     """Persistent tile loop: program p computes tiles p, p + P, p + 2P, ... (P = programs)."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -95,7 +98,10 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
             k_ok = (k0 + ks) < K
             a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+            if HOST_DOT:
+                acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+            else:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
         if HAS_BIAS:
@@ -139,5 +145,5 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x, weight, bias if bias is not None else weight, out, m, n, k,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        HOST_DOT=x.device.type == "cpu", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out

@@ -87,6 +87,16 @@ def test_linear_row_invariant(dtype: torch.dtype):
     _assert_rows_invariant(lambda rows: linear_triton(rows, weight, bias), x, INVARIANCE_ROWS)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_linear_rows_keep_their_bits_at_every_tile_position(dtype: torch.dtype):
+    """A row moved to another position of its row tile (as other requests come and go) keeps its
+    bits: rolled inputs give rolled outputs, for shifts within and across tiles."""
+    x, weight, bias = _linear_inputs(37, 100, 33, dtype)
+    full = linear_triton(x, weight, bias)
+    for shift in (1, 5, 15, 16, 21):
+        assert torch.equal(linear_triton(x.roll(shift, 0), weight, bias), full.roll(shift, 0)), shift
+
+
 @settings(deadline=None, max_examples=budget(0.3))
 @given(m=st.integers(1, 40), extra=st.integers(1, 40), k=st.integers(1, 80), n=st.integers(1, 80),
        seed=st.integers(0, 2**16))
