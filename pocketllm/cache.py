@@ -48,7 +48,8 @@ LayerCacheSpec = AttentionCacheSpec | RecurrentCacheSpec
 
 def layer_specs(cfg: ModelConfig) -> list[LayerCacheSpec]:
     """What each layer of `cfg` keeps per slot, known before the model is built (for sizing)."""
-    conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    conv_dim = (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+                + cfg.linear_num_value_heads * cfg.linear_value_head_dim)
     attention = AttentionCacheSpec(cfg.num_key_value_heads, cfg.head_dim)
     recurrent = RecurrentCacheSpec(conv_dim, cfg.linear_conv_kernel_dim, cfg.linear_num_value_heads,
                                    cfg.linear_key_head_dim, cfg.linear_value_head_dim)
@@ -120,14 +121,18 @@ class SlotCache:
         self.conv: list[torch.Tensor | None] = []
         self.recurrent: list[torch.Tensor | None] = []
         for spec in layers:
-            attention = isinstance(spec, AttentionCacheSpec)
-            kv_shape = (num_slots, max_seq_len, spec.num_kv_heads, spec.head_dim) if attention else None
-            self.k.append(torch.zeros(kv_shape, dtype=dtype, device=device) if attention else None)
-            self.v.append(torch.zeros(kv_shape, dtype=dtype, device=device) if attention else None)
-            self.conv.append(None if attention else torch.zeros(
-                num_slots, spec.conv_dim, spec.conv_width - 1, dtype=dtype, device=device))
-            self.recurrent.append(None if attention else torch.zeros(
-                num_slots, spec.num_heads, spec.key_dim, spec.value_dim, dtype=torch.float32, device=device))
+            if isinstance(spec, AttentionCacheSpec):
+                kv_shape = (num_slots, max_seq_len, spec.num_kv_heads, spec.head_dim)
+                self.k.append(torch.zeros(kv_shape, dtype=dtype, device=device))
+                self.v.append(torch.zeros(kv_shape, dtype=dtype, device=device))
+                self.conv.append(None)
+                self.recurrent.append(None)
+            else:
+                self.k.append(None)
+                self.v.append(None)
+                self.conv.append(torch.zeros(num_slots, spec.conv_dim, spec.conv_width - 1, dtype=dtype, device=device))
+                self.recurrent.append(torch.zeros(
+                    num_slots, spec.num_heads, spec.key_dim, spec.value_dim, dtype=torch.float32, device=device))
         self.slot_tokens: list[list[int]] = [[] for _ in range(num_slots)]
         self._free = list(range(num_slots))
 

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn, cast
 
 from .config import DTYPES, EngineArgs
 from .llm import LLM
@@ -52,8 +52,8 @@ DEMO_PROMPTS = ["The quick brown fox", "Once upon a time", "pocketllm", "1, 2, 3
 
 def _demo_params(count: int) -> list[SamplingParams]:
     """A mix of greedy and seeded sampling, so the equality check covers the sampler too."""
-    mix = [dict(temperature=0.0), dict(temperature=0.8, seed=1), dict(temperature=1.0, top_k=20, seed=2),
-           dict(temperature=0.7, top_p=0.9, seed=3)]
+    mix: list[dict[str, Any]] = [dict(temperature=0.0), dict(temperature=0.8, seed=1),
+                                 dict(temperature=1.0, top_k=20, seed=2), dict(temperature=0.7, top_p=0.9, seed=3)]
     return [SamplingParams(max_tokens=16, ignore_eos=True, **mix[i % len(mix)]) for i in range(count)]
 
 
@@ -79,7 +79,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     path = embedded_checkpoint(args.preset)
     print(f"checkpoint: {path} (random weights, preset {args.preset!r}: expect gibberish text)")
     params = _demo_params(len(DEMO_PROMPTS))
-    common = dict(model=str(path), max_seq_len=256)
+    common: dict[str, Any] = dict(model=str(path), max_seq_len=256)
     serial_llm = LLM(EngineArgs(**common))
     if serial_llm.invariance_report is not None:
         print(f"start-up probe: {serial_llm.invariance_report.summary()}")
@@ -89,19 +89,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
               for p, sp in tqdm(list(zip(prompts, params)), desc="serial", unit="req")]
     serial_s = time.perf_counter() - start
     with LLM(EngineArgs(**common, backend_options={"enable_batching": True, "max_batch_size": 4})) as llm:
+        scheduler = llm.scheduler
+        assert scheduler is not None  # enable_batching
         bar = tqdm(total=len(DEMO_PROMPTS), desc="batched", unit="req")
         start = time.perf_counter()
-        ids = [llm.scheduler.submit_request(p, sp, callback=lambda result: bar.update())
+        ids = [scheduler.submit_request(p, sp, callback=lambda result: bar.update())
                for p, sp in zip(prompts, params)]
-        batched = [llm.scheduler.poll_result(i, timeout_ms=None) for i in ids]
+        batched = [scheduler.poll_result(i, timeout_ms=None) for i in ids]
         batched_s = time.perf_counter() - start
         bar.close()
-        stats = llm.scheduler.get_stats()
+        stats = scheduler.get_stats()
     same = [s.token_ids == b.token_ids and s.logprobs == b.logprobs for s, b in zip(serial, batched)]
     print(f"\n{'prompt':<40} {'sampling':<22} {'ttft ms':>8} {'same':>5}  continuation")
     for prompt, sp, s, b, ok in zip(DEMO_PROMPTS, params, serial, batched, same):
         sampling = "greedy" if sp.greedy else f"T={sp.temperature} k={sp.top_k} p={sp.top_p}"
-        print(f"{prompt:<40} {sampling:<22} {1000 * b.ttft_s:>8.1f} {'yes' if ok else 'NO':>5}  {_demo_text(s)!r:.60}")
+        ttft_ms = 1000 * cast(float, b.ttft_s)  # None only for a request that failed before its first token
+        print(f"{prompt:<40} {sampling:<22} {ttft_ms:>8.1f} {'yes' if ok else 'NO':>5}  {_demo_text(s)!r:.60}")
     tokens = sum(len(r.token_ids) for r in serial)
     print(f"\nserial : {tokens} tokens in {serial_s:.2f} s = {tokens / serial_s:.1f} tokens/s")
     print(f"batched: {tokens} tokens in {batched_s:.2f} s = {tokens / batched_s:.1f} tokens/s "

@@ -126,7 +126,7 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path) -> ModelConfig:
         """Parse `path`/config.json (and generation_config.json when present). A file that is not a
         JSON object, or a field of the wrong type or an impossible value, is a CheckpointError
         naming the file and the field."""
@@ -141,7 +141,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None,
-                  source: str = "config.json", generation_source: str = "generation_config.json") -> "ModelConfig":
+                  source: str = "config.json", generation_source: str = "generation_config.json") -> ModelConfig:
         fields = _Fields(raw, source)
         architectures = fields.get("architectures", list, [])
         if architectures and not isinstance(architectures[0], str):
@@ -149,7 +149,8 @@ class ModelConfig:
         architecture = architectures[0] if architectures else fields.get("model_type", str, "<missing>")
         text = fields.get("text_config", dict, None)
         if text is not None:  # multimodal layout: the language model's fields are nested
-            fields = _Fields({**text, "tie_word_embeddings": raw.get("tie_word_embeddings", text.get("tie_word_embeddings")),
+            fields = _Fields({**text,
+                              "tie_word_embeddings": raw.get("tie_word_embeddings", text.get("tie_word_embeddings")),
                               "eos_token_id": text.get("eos_token_id", raw.get("eos_token_id"))},
                              f"{source} (text_config)")
         if fields.get("use_sliding_window", bool, False):

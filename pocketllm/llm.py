@@ -6,9 +6,9 @@ import itertools
 import logging
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 
@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+# One SamplingParams for all prompts, or one per prompt; None: the defaults.
+ParamsArg = SamplingParams | Sequence[SamplingParams] | None
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,7 @@ class LLM:
         if self.scheduler is not None:
             self.scheduler.stop()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -127,8 +130,19 @@ class LLM:
 
     # -- generation ------------------------------------------------------------------------
 
+    @overload
+    def generate(self, prompt_tokens: Sequence[int], sampling_params: ParamsArg = None) -> GenerationResult: ...
+    @overload
+    def generate(self, prompt_tokens: Sequence[Sequence[int]],
+                 sampling_params: ParamsArg = None) -> list[GenerationResult]: ...
+    @overload
+    def generate(self, prompt_tokens: None = None,  # type: ignore[overload-overlap]  # a str is a Sequence[str] too
+                 sampling_params: ParamsArg = None, *, prompts: str) -> GenerationResult: ...
+    @overload
+    def generate(self, prompt_tokens: None = None,
+                 sampling_params: ParamsArg = None, *, prompts: Sequence[str]) -> list[GenerationResult]: ...
     def generate(self, prompt_tokens: Sequence[int] | Sequence[Sequence[int]] | None = None,
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 sampling_params: ParamsArg = None, *,
                  prompts: str | Sequence[str] | None = None) -> GenerationResult | list[GenerationResult]:
         """One prompt -> one result; a list of prompts -> a list of results.
 
@@ -143,7 +157,7 @@ class LLM:
             if prompt_tokens is not None:
                 raise TypeError("pass either prompts (text) or prompt_tokens (token ids), not both")
             single = isinstance(prompts, str)
-            token_prompts = self._encode([prompts] if single else prompts)
+            token_prompts: list[Any] = self._encode([prompts] if isinstance(prompts, str) else prompts)
         elif prompt_tokens is None:
             raise TypeError("generate() needs prompt_tokens (token ids) or prompts (text)")
         elif isinstance(prompt_tokens, str):
@@ -183,7 +197,8 @@ class LLM:
 
     def _validated(self, prompts: list, params_list: list[SamplingParams]) -> list[tuple[list[int], SamplingParams]]:
         cfg = self.model_config
-        return [(validate_prompt(p, sp, cfg.vocab_size, self.args.max_seq_len), sp) for p, sp in zip(prompts, params_list)]
+        return [(validate_prompt(p, sp, cfg.vocab_size, self.args.max_seq_len), sp)
+                for p, sp in zip(prompts, params_list)]
 
     def _run_serial(self, request: Request) -> GenerationResult:
         """Prefill, then decode one token at a time, in a slot of the shared cache."""

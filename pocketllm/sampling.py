@@ -22,7 +22,7 @@ def _short(value: object, limit: int = 60) -> str:
 def _int_in(name: str, value: object, low: int, high: int | None, rule: str) -> int:
     """`value` as an int (numpy and other Integral types accepted, bool not) in [low, high]."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
-            or not low <= value or (high is not None and value > high):
+            or not low <= value or (high is not None and value > high):  # type: ignore[operator]  # Integral lacks >=
         raise ValueError(f"{name} must be {rule}, got {_short(value)}")
     return int(value)
 
@@ -39,8 +39,8 @@ def _real(value: object) -> float | None:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 (or below MIN_TEMPERATURE) is greedy. top_k 0 and top_p 1 disable those filters. A request without a
-    seed gets a random one at submission, reported in its result so the run can be replayed.
+    """temperature 0 (or below MIN_TEMPERATURE) is greedy. top_k 0 and top_p 1 disable those filters. A request
+    without a seed gets a random one at submission, reported in its result so the run can be replayed.
     Every field is checked on construction: ValueError (TypeError for a container of the wrong
     kind) naming the field and its allowed range."""
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from .config import CheckpointError, read_json_object
 
@@ -32,6 +32,10 @@ NUM_BYTES = 256
 NON_UTF8_BYTES = frozenset([0xC0, 0xC1, *range(0xF5, NUM_BYTES)])
 
 
+@overload
+def load_tokenizer(model_dir: str | Path, required: Literal[True]) -> Tokenizer: ...
+@overload
+def load_tokenizer(model_dir: str | Path, required: bool = False) -> Tokenizer | None: ...
 def load_tokenizer(model_dir: str | Path, required: bool = False) -> Tokenizer | None:
     """The directory's tokenizer.json as a `tokenizers.Tokenizer`.
 

@@ -262,7 +262,8 @@ def _launch_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
             logits, logits.stride(0), column(temperature, torch.float32), column(top_k, torch.int64),
             column(top_p, torch.float32), column(seeds, torch.int64), column(positions, torch.int64),
             tokens, logprobs, noise, allowed, vocab,
-            MUL_A=_MUL_A, MUL_B=_MUL_B, POSITION_SALT=_POSITION_SALT, MAX_UNIFORM=MAX_UNIFORM, DEBUG=debug, BLOCK=BLOCK_V, num_warps=8)
+            MUL_A=_MUL_A, MUL_B=_MUL_B, POSITION_SALT=_POSITION_SALT, MAX_UNIFORM=MAX_UNIFORM, DEBUG=debug,
+            BLOCK=BLOCK_V, num_warps=8)
     return tokens, logprobs, noise, allowed.bool()
 
 

@@ -11,8 +11,8 @@ converted to the engine dtype; a tensor that is not finite after that conversion
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -64,8 +64,8 @@ def checkpoint_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}")
 
 
-def load_weights(path: str | Path, expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
-                 device: torch.device | str, skip: Callable[[str], bool] = lambda name: False) -> dict[str, torch.Tensor]:
+def load_weights(path: str | Path, expected: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device | str,
+                 skip: Callable[[str], bool] = lambda name: False) -> dict[str, torch.Tensor]:
     """Read every expected tensor, converted to `dtype` on `device`.
 
     `expected` maps names to shapes; a tensor for which `skip(name)` holds is ignored, any other
@@ -96,7 +96,7 @@ def _load_file(file: Path, expected: dict[str, tuple[int, ...]], dtype: torch.dt
                skip: Callable[[str], bool], weights: dict[str, torch.Tensor], skipped: list[str]) -> None:
     """Add the tensors of one safetensors file to `weights` (or their names to `skipped`)."""
     with safe_open(str(file), framework="pt", device="cpu") as handle:
-        for name in handle.keys():
+        for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
             if skip(name):
                 skipped.append(name)
                 continue

@@ -117,7 +117,8 @@ CHECKPOINT_PATTERNS = ("*.safetensors", "*.safetensors.index.json")
 
 def _remove_checkpoint_files(path: Path) -> None:
     """Delete the checkpoint files of an earlier checkpoint in `path`; other files stay."""
-    stale = [path / name for name in CHECKPOINT_FILES] + [p for pattern in CHECKPOINT_PATTERNS for p in path.glob(pattern)]
+    stale = [path / name for name in CHECKPOINT_FILES]
+    stale += [p for pattern in CHECKPOINT_PATTERNS for p in path.glob(pattern)]
     for file in stale:
         if file.is_file() or file.is_symlink():
             file.unlink()

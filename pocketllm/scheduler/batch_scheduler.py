@@ -28,7 +28,8 @@ import math
 import numbers
 import threading
 import time
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import cast, overload
 
 from ..cache import SlotCache
 from ..outputs import GenerationResult
@@ -69,7 +70,7 @@ class BatchScheduler:
         self._stepping = False
         self._stopped = False
         self._drivers = 0  # callers stepping the loop themselves (see run_until_finished)
-        self._counts = collections.Counter()
+        self._counts: collections.Counter[str] = collections.Counter()
         # Latencies of the most recent requests only, so that a long-running engine's memory stays bounded.
         self._ttfts: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
         self._totals: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
@@ -120,6 +121,10 @@ class BatchScheduler:
         self._fire_callbacks(finished)
         return True
 
+    @overload
+    def poll_result(self, request_id: int, timeout_ms: None) -> GenerationResult: ...
+    @overload
+    def poll_result(self, request_id: int, timeout_ms: float | None = 0) -> GenerationResult | None: ...
     def poll_result(self, request_id: int, timeout_ms: float | None = 0) -> GenerationResult | None:
         """The request's result once it has finished, else None after waiting up to `timeout_ms`
         (None or math.inf: wait as long as it takes). A result is handed over once; then the id is
@@ -165,7 +170,7 @@ class BatchScheduler:
             self._done.notify_all()
         self._fire_callbacks(finished)
 
-    def generate(self, requests: list[tuple[Sequence[int], SamplingParams]]) -> list[GenerationResult]:
+    def generate(self, requests: Sequence[tuple[Sequence[int], SamplingParams]]) -> list[GenerationResult]:
         """Submit (prompt, params) pairs and step the loop on the calling thread until they are
         done; the background thread sleeps meanwhile. A caller that would only wait anyway does the
         work itself: on the CPU this keeps the model compute on one thread, because a second thread
@@ -180,7 +185,8 @@ class BatchScheduler:
                     if all(self._requests[i].finished and self._requests[i].slot is None for i in ids):
                         break
                 self.step()
-            return [self.poll_result(i) for i in ids]
+            # Every one has finished, so none of these polls comes back empty.
+            return cast("list[GenerationResult]", [self.poll_result(i) for i in ids])
         finally:
             with self._lock:
                 self._drivers -= 1
@@ -244,7 +250,7 @@ class BatchScheduler:
         if not requests:
             return
         spans: list[Span] = []
-        outcomes: list[Outcome] = []
+        outcomes: Sequence[Outcome] = []
         try:
             outcomes = self._forward(requests, is_decode, spans)
         except BaseException as exc:
@@ -256,7 +262,7 @@ class BatchScheduler:
                 if self.timeline is not None:
                     step = self._counts["steps"]
                     self.timeline.extend(
-                        SlotEvent(step, "decode" if is_decode else "prefill", r.slot, r.request_id, n,
+                        SlotEvent(step, "decode" if is_decode else "prefill", r.assigned_slot, r.request_id, n,
                                   begin - self._started, end - self._started) for r, n, begin, end in spans)
                 for request, outcome in zip(requests, outcomes):
                     if isinstance(outcome, BaseException):
@@ -264,7 +270,7 @@ class BatchScheduler:
                     else:
                         request.append(*outcome)
 
-    def _forward(self, requests: list[Request], is_decode: bool, spans: list[Span]) -> list[Outcome]:
+    def _forward(self, requests: list[Request], is_decode: bool, spans: list[Span]) -> Sequence[Outcome]:
         """One forward for the batch; if it raises, one forward per request, so that only the
         requests that fail alone end with their exception."""
         inputs = [r.decode_input() if is_decode else r.prefill_input() for r in requests]
@@ -285,7 +291,8 @@ class BatchScheduler:
                 outcomes.append(exc)
         return outcomes
 
-    def _timed_run(self, requests: list[Request], inputs: list, is_decode: bool, spans: list[Span]) -> list[Outcome]:
+    def _timed_run(self, requests: list[Request], inputs: list, is_decode: bool,
+                   spans: list[Span]) -> list[tuple[int, float]]:
         start = time.perf_counter()
         outputs = self.runner.run(inputs, is_decode)
         end = time.perf_counter()
@@ -301,7 +308,8 @@ class BatchScheduler:
             if request.finished:
                 self._running.remove(request)
                 # A failed request's slot claims no contents: a failed forward may have written them.
-                self.cache.free(request.slot, [] if request.finish_reason == "error" else request.held_tokens())
+                held = [] if request.finish_reason == "error" else request.held_tokens()
+                self.cache.free(request.assigned_slot, held)
                 request.slot = None
                 finished.append(request)
         for request in finished:
@@ -319,11 +327,13 @@ class BatchScheduler:
     def _record(self, request: Request) -> None:
         """Count a request that has reached its terminal state. Lock held."""
         reason = request.finish_reason
+        assert reason is not None  # a request is recorded once it has finished
         self._counts["finished" if reason in ("stop", "length") else reason] += 1
         self._counts["generated_tokens"] += len(request.token_ids)
         result = request.result()
         if result.ttft_s is not None:
             self._ttfts.append(result.ttft_s)
+        assert result.total_time_s is not None  # a finished request has its finish time
         self._totals.append(result.total_time_s)
 
     def _fire_callbacks(self, finished: list[Request]) -> None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import enum
 import numbers
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from ..outputs import GenerationResult
+from ..outputs import FinishReason, GenerationResult
 from ..runner import SequenceInput
 from ..sampling import SamplingParams
 
@@ -85,7 +86,7 @@ class Request:
     slot: int | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     submit_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
@@ -97,11 +98,17 @@ class Request:
         """Tokens whose K/V are in the slot: the prompt and every generated token but the last."""
         return len(self.prompt_tokens) + max(len(self.token_ids) - 1, 0)
 
+    @property
+    def assigned_slot(self) -> int:
+        """`slot`, for a request that holds one (from admission until its slot is freed)."""
+        assert self.slot is not None, f"request {self.request_id} holds no slot"
+        return self.slot
+
     def prefill_input(self) -> SequenceInput:
-        return SequenceInput(self.slot, 0, list(self.prompt_tokens), self.params, self.seed)
+        return SequenceInput(self.assigned_slot, 0, list(self.prompt_tokens), self.params, self.seed)
 
     def decode_input(self) -> SequenceInput:
-        return SequenceInput(self.slot, self.num_cached, [self.token_ids[-1]], self.params, self.seed)
+        return SequenceInput(self.assigned_slot, self.num_cached, [self.token_ids[-1]], self.params, self.seed)
 
     def append(self, token: int, logprob: float) -> None:
         """Record a sampled token and finish the request if it stops or reaches max_tokens."""
@@ -109,13 +116,14 @@ class Request:
             self.first_token_time = time.perf_counter()
         self.token_ids.append(token)
         self.logprobs.append(logprob)
-        stops = self.params.stop_token_ids if self.params.ignore_eos else self.params.stop_token_ids + self.eos_token_ids
+        params = self.params
+        stops = params.stop_token_ids if params.ignore_eos else params.stop_token_ids + self.eos_token_ids
         if token in stops:
             self.finish("stop")
         elif len(self.token_ids) >= self.params.max_tokens:
             self.finish("length")
 
-    def finish(self, reason: str, error: str | None = None) -> None:
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.error = error

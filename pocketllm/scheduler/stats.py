@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -45,7 +46,7 @@ class SchedulerStats:
         return self.generated_tokens / self.busy_time_s if self.busy_time_s > 0 else 0.0
 
     @classmethod
-    def build(cls, ttfts: list[float], totals: list[float], **counts: float) -> "SchedulerStats":
+    def build(cls, ttfts: list[float], totals: list[float], **counts: Any) -> SchedulerStats:
         mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
         return cls(ttft_mean_s=mean(ttfts), ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
                    total_time_mean_s=mean(totals), total_time_p50_s=percentile(totals, 50),
