@@ -92,8 +92,9 @@ class LLM:
             return True
         ops: Ops = self.ops
         cfg = self.model_config
-        report = probe_row_invariance(ops.linear, ops.rms_norm, ops.silu_and_mul, ops.sample,
-                                      self.model.linear_weights(), cfg.hidden_size, cfg.vocab_size)
+        *body, lm_head = self.model.linear_weights()
+        report = probe_row_invariance(ops.linear, ops.prefill_linear, ops.rms_norm, ops.silu_and_mul, ops.sample,
+                                      body, lm_head, cfg.hidden_size, cfg.vocab_size)
         self.invariance_report = report
         if report.ok:
             logger.info("invariance probe: %s", report.summary())

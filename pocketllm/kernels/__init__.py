@@ -17,7 +17,7 @@ from .conv1d import causal_conv1d_decode_ref, causal_conv1d_prefill_ref
 from .embedding import embedding_ref
 from .gated_delta import gated_delta_decode_ref, gated_delta_prefill_ref
 from .kv_write import rope_write_kv_ref
-from .linear import linear_ref, linear_row_invariant
+from .linear import linear_ref, linear_row_invariant, prefill_linear_row_invariant
 from .rmsnorm import rms_norm_gated_ref, rms_norm_ref
 from .sampling import sample_ref
 
@@ -32,7 +32,8 @@ class Ops:
     prefill_attention: Callable
     decode_attention: Callable
     silu_and_mul: Callable
-    linear: Callable
+    linear: Callable  # decode rows and the lm_head
+    prefill_linear: Callable  # the token rows of a prefill (may tile rows differently, never per batch)
     sample: Callable
     # Gated DeltaNet layers (Qwen3.5)
     conv1d_prefill: Callable
@@ -43,8 +44,8 @@ class Ops:
 
 
 def torch_ops(batch_invariant: bool = True) -> Ops:
-    """Every op is its torch reference; `batch_invariant=False` drops the fixed row tiles of the
-    linear layers (a negative control for the invariance tests, and a speed baseline)."""
+    """Every op is its torch reference; `batch_invariant=False` makes the linear layers one plain
+    GEMM call per batch (a negative control for the invariance tests, and a speed baseline)."""
     return Ops(
         embedding=embedding_ref,
         rms_norm=rms_norm_ref,
@@ -53,6 +54,7 @@ def torch_ops(batch_invariant: bool = True) -> Ops:
         decode_attention=decode_attention_ref,
         silu_and_mul=silu_and_mul_ref,
         linear=linear_row_invariant if batch_invariant else linear_ref,
+        prefill_linear=prefill_linear_row_invariant if batch_invariant else linear_ref,
         sample=sample_ref,
         conv1d_prefill=causal_conv1d_prefill_ref,
         conv1d_decode=causal_conv1d_decode_ref,
@@ -83,6 +85,7 @@ def triton_ops() -> Ops:
         decode_attention=decode_attention_triton,
         silu_and_mul=silu_and_mul_triton,
         linear=linear_triton,
+        prefill_linear=linear_triton,
         sample=sample_triton,
         conv1d_prefill=causal_conv1d_prefill_triton,
         conv1d_decode=causal_conv1d_decode_triton,

@@ -21,9 +21,10 @@ import torch
 
 from .pointwise import elementwise_invariant
 
-# Rows per probe batch: more than two 16-row tiles with a ragged last one; the roll moves each row
-# to a different position inside its tile.
+# Rows per probe batch: several row tiles (4 rows at decode, 64 at prefill) with a ragged last one;
+# the roll moves each row to another position inside its tile.
 PROBE_ROWS = 35
+PROBE_PREFILL_ROWS = 135
 ROLL = 7
 # Sampling sorts whole vocabulary rows: fewer rows keep the probe cheap at 150k-entry vocabularies.
 PROBE_SAMPLE_ROWS = 9
@@ -57,6 +58,14 @@ def _rows_alike(name: str, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.
     return failures
 
 
+def _distinct_shapes(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The first weight of each shape: the BLAS path depends on the shape, not the values."""
+    first: dict[tuple[int, ...], torch.Tensor] = {}
+    for w in weights:
+        first.setdefault(tuple(w.shape), w)
+    return list(first.values())
+
+
 def _apply_linear(linear: Callable, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return linear(x, weight)
 
@@ -81,30 +90,28 @@ def _sampler_rows_alike(sample: Callable, vocab_size: int, generator: torch.Gene
     return _rows_alike("sample", run, torch.arange(rows, device=device))
 
 
-def probe_row_invariance(linear: Callable, rms_norm: Callable, silu_and_mul: Callable, sample: Callable,
-                         linear_weights: Sequence[torch.Tensor], hidden_size: int, vocab_size: int,
-                         seed: int = 0) -> ProbeReport:
-    """Check the row-wise ops on the model's own weights (each distinct weight shape once) and
-    widths; the inputs are random, drawn from `seed`."""
+def probe_row_invariance(linear: Callable, prefill_linear: Callable, rms_norm: Callable, silu_and_mul: Callable,
+                         sample: Callable, body_weights: Sequence[torch.Tensor], lm_head: torch.Tensor,
+                         hidden_size: int, vocab_size: int, seed: int = 0) -> ProbeReport:
+    """Check the row-wise ops on the model's own weights and widths: `linear` on every distinct
+    shape (decode rows and the lm_head), `prefill_linear` on the body's (prefill token rows); the
+    inputs are random, drawn from `seed`."""
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
-    weight = linear_weights[0]
-    device, dtype = weight.device, weight.dtype
+    device, dtype = lm_head.device, lm_head.dtype
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
 
     checks: list[str] = []
     failures: list[str] = []
-    seen: set[tuple[int, ...]] = set()
     with torch.inference_mode():
-        for w in linear_weights:
-            if tuple(w.shape) in seen:
-                continue
-            seen.add(tuple(w.shape))
-            n, k = w.shape
-            checks.append(f"linear {k}->{n}")
-            failures += _rows_alike(checks[-1], functools.partial(_apply_linear, linear, w), randn(PROBE_ROWS, k))
+        for name, fn, weights, rows in (("linear", linear, [*body_weights, lm_head], PROBE_ROWS),
+                                        ("prefill_linear", prefill_linear, body_weights, PROBE_PREFILL_ROWS)):
+            for w in _distinct_shapes(weights):
+                n, k = w.shape
+                checks.append(f"{name} {k}->{n}")
+                failures += _rows_alike(checks[-1], functools.partial(_apply_linear, fn, w), randn(rows, k))
         norm_weight = randn(hidden_size)
         checks.append(f"rms_norm {hidden_size}")
         failures += _rows_alike(checks[-1], lambda x: rms_norm(x, norm_weight, 1e-6), randn(PROBE_ROWS, hidden_size))

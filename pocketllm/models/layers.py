@@ -14,6 +14,7 @@ them. The ops run in a fixed order the invariance tests rely on; a refactor here
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -262,8 +263,10 @@ class DecoderModel:
     def forward(self, batch: ForwardBatch, cache: SlotCache) -> torch.Tensor:
         """-> fp32 logits [B, vocab]."""
         ops, eps = self.ops, self.cfg.rms_norm_eps
+        # A prefill's token rows go through the prefill linear; the lm_head sees one row per sequence.
+        body_ops = ops if batch.is_decode else dataclasses.replace(ops, linear=ops.prefill_linear)
         hidden = ops.embedding(batch.input_ids, self.embed)
         for index, block in enumerate(self.blocks):
-            hidden = block.forward(ops, hidden, batch, cache, index, eps)
+            hidden = block.forward(body_ops, hidden, batch, cache, index, eps)
         last = hidden.index_select(0, batch.last_token_indices)
         return ops.linear(ops.rms_norm(last, self.final_norm, eps), self.lm_head).float()

@@ -24,7 +24,8 @@ class Model(Protocol):
         ...
 
     def linear_weights(self) -> list[torch.Tensor]:
-        """Every matrix the model multiplies through `ops.linear` (the start-up probe runs them)."""
+        """Every matrix the model multiplies through `ops.linear`, the lm_head last (the start-up
+        probe runs them)."""
         ...
 
     def cache_specs(self) -> list[LayerCacheSpec]:

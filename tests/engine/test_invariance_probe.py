@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import pocketllm.llm
 from pocketllm import LLM, EngineArgs
 from pocketllm.kernels import torch_ops
-from pocketllm.kernels.linear import linear_ref, linear_row_invariant
+from pocketllm.kernels.linear import linear_ref, linear_row_invariant, prefill_linear_row_invariant
 from pocketllm.kernels.probe import probe_row_invariance
 
 
@@ -20,9 +20,11 @@ from pocketllm.kernels.probe import probe_row_invariance
 def test_engine_probes_every_weight_shape_and_reports_invariant(checkpoint_dir, variant):
     llm = LLM(EngineArgs(model=str(checkpoint_dir(variant)), max_seq_len=64))
     report = llm.invariance_report
-    assert llm.ops.linear is linear_row_invariant, "the probe must test the linear the engine runs"
-    shapes = {tuple(w.shape) for w in llm.model.linear_weights()}
-    assert {f"linear {k}->{n}" for n, k in shapes} <= set(report.checks)
+    assert llm.ops.linear is linear_row_invariant, "the probe must test the linears the engine runs"
+    assert llm.ops.prefill_linear is prefill_linear_row_invariant
+    *body, lm_head = llm.model.linear_weights()
+    assert {f"linear {k}->{n}" for n, k in {tuple(w.shape) for w in [*body, lm_head]}} <= set(report.checks)
+    assert {f"prefill_linear {k}->{n}" for n, k in {tuple(w.shape) for w in body}} <= set(report.checks)
     assert report.ok, report.summary()
     assert llm.capabilities.batch_invariant is True
     assert report.threads == torch.get_num_threads()
@@ -33,7 +35,8 @@ def _ops_with(**changes):
 
 
 def _probe(ops, weights, hidden=48, vocab=300):
-    return probe_row_invariance(ops.linear, ops.rms_norm, ops.silu_and_mul, ops.sample, weights, hidden, vocab)
+    return probe_row_invariance(ops.linear, ops.prefill_linear, ops.rms_norm, ops.silu_and_mul, ops.sample,
+                                weights, torch.randn(vocab, hidden), hidden, vocab)
 
 
 def _count_dependent(op):
@@ -54,12 +57,13 @@ def _position_dependent_norm(x, weight, eps):
     return out
 
 
-def test_probe_finds_a_row_count_dependent_linear():
+@pytest.mark.parametrize("field", ["linear", "prefill_linear"])
+def test_probe_finds_a_row_count_dependent_linear(field):
     weights = [torch.randn(300, 48), torch.randn(48, 96)]
     assert _probe(torch_ops(), weights).ok
-    report = _probe(_ops_with(linear=_count_dependent(F.linear)), weights)
+    report = _probe(_ops_with(**{field: _count_dependent(F.linear)}), weights)
     assert not report.ok
-    assert any(f.startswith("linear 48->300") for f in report.failures), report.failures
+    assert any(f.startswith(f"{field} 48->300") for f in report.failures), report.failures
 
 
 def test_probe_finds_a_position_dependent_norm():
@@ -87,7 +91,7 @@ def test_probe_flags_one_gemm_per_batch_on_this_blas():
     x = torch.randn(40, 256)
     if all(torch.equal(linear_ref(x[:m], weights[0]), linear_ref(x, weights[0])[:m]) for m in range(1, 40)):
         pytest.skip("one GEMM per batch is row invariant on this BLAS; nothing for the probe to find")
-    assert not _probe(_ops_with(linear=linear_ref), weights, hidden=256).ok
+    assert not _probe(_ops_with(linear=linear_ref, prefill_linear=linear_ref), weights, hidden=256).ok
 
 
 def test_failed_probe_warns_and_clears_the_capability(tiny_checkpoint, monkeypatch):

@@ -1,5 +1,6 @@
-"""The torch backend's linear layer is row invariant by construction: every BLAS call has the
-shape [ROW_TILE, K] x [K, N], so a row's bits cannot depend on the batch size. What remains for the
+"""The torch backend's linear layers are row invariant by construction: every BLAS call has the
+shape [tile, K] x [K, N] (4-row tiles for decode rows, 64-row tiles for prefill rows), so a row's
+bits cannot depend on the batch size. What remains for the
 BLAS is that a row's result does not depend on its position inside a tile. These tests measure
 both on the machine that runs them, at 1 and 2 threads (BLAS thresholds move with the thread
 count), at the widths of real models and prefill-sized row counts; a negative control shows that
@@ -10,7 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pocketllm.kernels.linear import ROW_TILE, linear_row_invariant
+from pocketllm.kernels.linear import (DECODE_ROW_TILE, PREFILL_ROW_TILE, linear_row_invariant,
+                                      prefill_linear_row_invariant)
+
+LINEARS = {DECODE_ROW_TILE: linear_row_invariant, PREFILL_ROW_TILE: prefill_linear_row_invariant}
 
 
 @pytest.fixture(params=[1, 2], ids=lambda n: f"{n}thread")
@@ -30,22 +34,25 @@ def _randn(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:
 SMALL_SHAPES = [(64, 128), (17, 33), (48, 300), (256, 512), (1000, 77)]
 
 
+@pytest.mark.parametrize("tile", sorted(LINEARS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("k,n", SMALL_SHAPES)
-def test_rows_are_independent_of_row_count_and_position(threads, dtype, with_bias, k, n):
+def test_rows_are_independent_of_row_count_and_position(threads, tile, dtype, with_bias, k, n):
     """For every M in 1..3 tiles + 1 the rows of linear(x[:M]) equal the M = max call bit for bit;
     each row alone and each row moved to another position equals its row in the batch."""
-    rows = 3 * ROW_TILE + 1
+    linear_row_invariant = LINEARS[tile]
+    rows = 3 * tile + 1
     x = _randn(rows, k, seed=k * n, dtype=dtype)
     w = _randn(n, k, seed=k + n, dtype=dtype)
     b = _randn(n, seed=k - n, dtype=dtype) if with_bias else None
     full = linear_row_invariant(x, w, b)
-    bad_m = [m for m in range(1, rows) if not torch.equal(linear_row_invariant(x[:m], w, b), full[:m])]
+    counts = range(1, rows) if tile < 16 else sorted({1, 2, 7, tile - 1, tile, tile + 1, 2 * tile + 5, rows - 1})
+    bad_m = [m for m in counts if not torch.equal(linear_row_invariant(x[:m], w, b), full[:m])]
     assert not bad_m, f"row results depend on the row count for M in {bad_m}"
-    bad_rows = [j for j in range(rows) if not torch.equal(linear_row_invariant(x[j:j + 1], w, b), full[j:j + 1])]
+    bad_rows = [j for j in range(0, rows, max(1, tile // 8)) if not torch.equal(linear_row_invariant(x[j:j + 1], w, b), full[j:j + 1])]
     assert not bad_rows, f"rows {bad_rows} differ when computed alone"
-    for shift in (1, 5, ROW_TILE - 1):
+    for shift in (1, 5, tile - 1):
         assert torch.equal(linear_row_invariant(x.roll(shift, 0), w, b), full.roll(shift, 0)), shift
 
 
@@ -58,12 +65,14 @@ def test_rows_keep_their_bits_at_prefill_sizes(threads, k, n):
     """The first rows are the same alone (one tile) and inside prefills of up to 1500 rows, where
     a single GEMM call changes its blocking on some CPUs; a row moved to the end of a long prefill
     keeps its bits too."""
+    linear_row_invariant = prefill_linear_row_invariant
+    ROW_TILE = PREFILL_ROW_TILE  # noqa: N806
     largest = 1500 if k * n < 2_000_000 else 520
     x = _randn(largest, k, seed=k + 7)
     w = _randn(n, k, seed=n + 7)
     head = linear_row_invariant(x[:ROW_TILE], w)
     sizes = [m for m in (17, 100, 257, 513, 1024, 1500) if m <= largest]
-    bad = [m for m in sizes if not torch.equal(linear_row_invariant(x[:m], w)[:ROW_TILE], head)]
+    bad = [m for m in sizes if not torch.equal(linear_row_invariant(x[:m], w)[:ROW_TILE], head[:m])]
     assert not bad, f"row results change at M in {bad}"
     moved = torch.cat([x[ROW_TILE:largest], x[:ROW_TILE]])
     assert torch.equal(linear_row_invariant(moved, w)[-ROW_TILE:], head)
@@ -90,10 +99,10 @@ def test_tile_bits_do_not_depend_on_input_alignment():
     an odd offset: inputs are staged into aligned tiles before the BLAS sees them."""
     k, n = 300, 200
     w = _randn(n, k, seed=3)
-    base = _randn(ROW_TILE * k + 1, seed=4)
-    aligned = base[:ROW_TILE * k].view(ROW_TILE, k)
-    shifted_storage = torch.empty(ROW_TILE * k + 1)
+    base = _randn(DECODE_ROW_TILE * k + 1, seed=4)
+    aligned = base[:DECODE_ROW_TILE * k].view(DECODE_ROW_TILE, k)
+    shifted_storage = torch.empty(DECODE_ROW_TILE * k + 1)
     shifted_storage[1:] = aligned.reshape(-1)
-    shifted = shifted_storage[1:].view(ROW_TILE, k)
+    shifted = shifted_storage[1:].view(DECODE_ROW_TILE, k)
     assert shifted.data_ptr() % 64 != aligned.data_ptr() % 64
     assert torch.equal(linear_row_invariant(aligned, w), linear_row_invariant(shifted, w))
