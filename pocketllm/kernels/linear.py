@@ -17,7 +17,7 @@ the model's own weights when an engine starts, and the tests re-measure it.
 import torch
 import torch.nn.functional as F
 
-from ._triton import INTERPRETED, kernel_device_ok, tl, triton
+from ._triton import kernel_device_ok, tl, triton
 
 # Rows per GEMM call of the torch backend, one constant per kind of row, so a row's tile shape
 # depends only on whether it is decoded or prefilled, never on the batch. Measured with MKL on 2
@@ -70,13 +70,14 @@ def prefill_linear_row_invariant(x: torch.Tensor, weight: torch.Tensor,
 
 # -- Triton ------------------------------------------------------------------------------------------
 
-# Tile sizes are constants of the module, never derived from M: a row's output tile always has the
-# same shape, the same K blocks in the same order, so its bits cannot depend on the batch.
-# The interpreter runs each program in numpy, so it gets small tiles. There `tl.dot` is numpy's
-# matmul, i.e. the host BLAS, whose micro-kernels give a row different bits at different positions
-# of the tile; rows move between positions with the batch, so the interpreter computes the tile
-# product as an explicit fp32 product and sum, the same per-element order for every row.
-BLOCK_M, BLOCK_N, BLOCK_K = (16, 32, 32) if INTERPRETED else (64, 64, 64)
+# Tile sizes are constants per device kind, never derived from M: a row's output tile always has
+# the same shape, the same K blocks in the same order, so its bits cannot depend on the batch.
+# CPU tensors run under the interpreter, one program at a time in numpy, so they get small tiles.
+# There `tl.dot` is numpy's matmul, i.e. the host BLAS, whose micro-kernels give a row different
+# bits at different positions of the tile; rows move between positions with the batch, so the
+# interpreter computes the tile product as an explicit fp32 product and sum, the same per-element
+# order for every row.
+TILES = {"cpu": (16, 32, 32), "cuda": (64, 64, 64)}  # device type -> (BLOCK_M, BLOCK_N, BLOCK_K)
 GROUP_M = 8
 NUM_WARPS, NUM_STAGES = 4, 3
 
@@ -153,10 +154,11 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    num_tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N)
+    block_m, block_n, block_k = TILES[x.device.type]
+    num_tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     _linear_kernel[(_num_programs(x.device, num_tiles),)](
         x, weight, bias if bias is not None else weight, out, m, n, k,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
         HOST_DOT=x.device.type == "cpu", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out

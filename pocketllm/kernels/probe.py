@@ -26,6 +26,7 @@ from .pointwise import elementwise_invariant
 PROBE_ROWS = 35
 PROBE_PREFILL_ROWS = 135
 ROLL = 7
+ALIGN_BYTES = 64
 # Sampling sorts whole vocabulary rows: fewer rows keep the probe cheap at 150k-entry vocabularies.
 PROBE_SAMPLE_ROWS = 9
 
@@ -64,6 +65,15 @@ def _distinct_shapes(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     for w in weights:
         first.setdefault(tuple(w.shape), w)
     return list(first.values())
+
+
+def _misaligned(name: str, weights: Sequence[torch.Tensor], shape: torch.Size) -> list[str]:
+    """Every weight of this shape must start on a 64-byte boundary: BLAS kernels may treat
+    differently aligned copies of the same matrix differently, and two engines on one checkpoint
+    (serial and batched) must compute alike."""
+    if any(w.data_ptr() % ALIGN_BYTES for w in weights if w.shape == shape):
+        return [f"{name}: a weight does not start on a {ALIGN_BYTES}-byte boundary"]
+    return []
 
 
 def _apply_linear(linear: Callable, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -111,6 +121,7 @@ def probe_row_invariance(linear: Callable, prefill_linear: Callable, rms_norm: C
             for w in _distinct_shapes(weights):
                 n, k = w.shape
                 checks.append(f"{name} {k}->{n}")
+                failures += _misaligned(checks[-1], weights, w.shape)
                 failures += _rows_alike(checks[-1], functools.partial(_apply_linear, fn, w), randn(rows, k))
         norm_weight = randn(hidden_size)
         checks.append(f"rms_norm {hidden_size}")

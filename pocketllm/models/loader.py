@@ -114,7 +114,9 @@ def _load_file(file: Path, expected: dict[str, tuple[int, ...]], dtype: torch.dt
             if stored not in FLOAT_DTYPES:
                 raise CheckpointError(f"{file}: tensor {name!r} has dtype {stored}; only floating-point weights "
                                       f"load ({', '.join(FLOAT_DTYPES)})")
-            tensor = handle.get_tensor(name).to(device=device, dtype=dtype)
+            # A copy of our own, in the allocator's 64-byte alignment: a tensor read from the file
+            # sits wherever its offset puts it, and BLAS results can depend on the alignment of W.
+            tensor = handle.get_tensor(name).to(device=device, dtype=dtype, copy=True)
             if not bool(torch.isfinite(tensor).all()):
                 raise CheckpointError(f"{file}: tensor {name!r} holds NaN or infinite values "
                                       f"(after conversion from {stored} to {dtype})")

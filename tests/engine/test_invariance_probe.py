@@ -117,3 +117,18 @@ def test_capability_without_probe(tiny_checkpoint, options, backend, expected):
     llm = LLM(EngineArgs(model=str(tiny_checkpoint), backend=backend, max_seq_len=64, backend_options=options))
     assert llm.invariance_report is None
     assert llm.capabilities.batch_invariant is expected
+
+
+def test_probe_finds_a_misaligned_weight():
+    """Weights are the engine's own 64-byte-aligned copies; a matrix sitting at another offset (as a
+    tensor read in place from a file can) is reported."""
+    storage = torch.randn(300 * 48 + 1)
+    misaligned = storage[1:].view(300, 48)
+    assert misaligned.data_ptr() % 64
+    report = _probe(torch_ops(), [misaligned])
+    assert not report.ok and any("64-byte boundary" in f for f in report.failures), report.failures
+
+
+def test_loaded_weights_are_aligned(checkpoint_dir):
+    llm = LLM(EngineArgs(model=str(checkpoint_dir("qwen3.5_mm_untied")), max_seq_len=32))
+    assert all(w.data_ptr() % 64 == 0 for w in llm.model.linear_weights())

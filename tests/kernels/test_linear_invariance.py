@@ -11,8 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pocketllm.kernels.linear import (DECODE_ROW_TILE, PREFILL_ROW_TILE, linear_row_invariant,
-                                      prefill_linear_row_invariant)
+from pocketllm.kernels.linear import (
+    DECODE_ROW_TILE,
+    PREFILL_ROW_TILE,
+    linear_row_invariant,
+    prefill_linear_row_invariant,
+)
 
 LINEARS = {DECODE_ROW_TILE: linear_row_invariant, PREFILL_ROW_TILE: prefill_linear_row_invariant}
 
@@ -50,7 +54,8 @@ def test_rows_are_independent_of_row_count_and_position(threads, tile, dtype, wi
     counts = range(1, rows) if tile < 16 else sorted({1, 2, 7, tile - 1, tile, tile + 1, 2 * tile + 5, rows - 1})
     bad_m = [m for m in counts if not torch.equal(linear_row_invariant(x[:m], w, b), full[:m])]
     assert not bad_m, f"row results depend on the row count for M in {bad_m}"
-    bad_rows = [j for j in range(0, rows, max(1, tile // 8)) if not torch.equal(linear_row_invariant(x[j:j + 1], w, b), full[j:j + 1])]
+    bad_rows = [j for j in range(0, rows, max(1, tile // 8))
+                if not torch.equal(linear_row_invariant(x[j:j + 1], w, b), full[j:j + 1])]
     assert not bad_rows, f"rows {bad_rows} differ when computed alone"
     for shift in (1, 5, tile - 1):
         assert torch.equal(linear_row_invariant(x.roll(shift, 0), w, b), full.roll(shift, 0)), shift

@@ -10,7 +10,7 @@ from conftest import budget
 
 from pocketllm.kernels._triton import INTERPRETED
 from pocketllm.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from pocketllm.kernels.linear import BLOCK_K, BLOCK_N, linear_ref, linear_triton
+from pocketllm.kernels.linear import TILES, linear_ref, linear_triton
 from pocketllm.kernels.rmsnorm import rms_norm_ref, rms_norm_triton
 
 from kernel_tolerances import assert_close
@@ -53,6 +53,7 @@ def _assert_rows_invariant(fn, x: torch.Tensor, row_counts) -> None:
 def test_linear_test_shapes_cover_partial_tiles():
     """The shapes below really exercise masking: a K tail, an odd N, and N beyond one tile."""
     ks, ns = [k for k, _, _ in LINEAR_SHAPES], [n for _, n, _ in LINEAR_SHAPES]
+    _, BLOCK_N, BLOCK_K = TILES[DEVICE]  # noqa: N806
     assert any(k % BLOCK_K for k in ks) and any(n % 2 for n in ns) and any(n > BLOCK_N for n in ns)
 
 

@@ -1,6 +1,6 @@
 """What a step records besides tokens: logprobs next to every token, busy time that adds up over
 steps and stays within the wall clock, timeline times measured from the scheduler's start, and a
-failed forward logged with the number of requests it failed."""
+failed batch logged with the number of requests it held, then each request that fails alone."""
 
 from __future__ import annotations
 
@@ -43,9 +43,13 @@ def test_failed_forward_is_logged_with_its_request_count(tiny_checkpoint, monkey
             raise RuntimeError("planted")
 
         monkeypatch.setattr(llm.runner, "run", broken)
-        with caplog.at_level(logging.ERROR, logger="pocketllm.scheduler.batch_scheduler"):
-            results = llm.generate(prompt_tokens=[[1], [2]], sampling_params=SamplingParams(max_tokens=2))
+        with caplog.at_level(logging.WARNING, logger="pocketllm.scheduler.batch_scheduler"):
+            ids = [llm.scheduler.submit_request(p, SamplingParams(max_tokens=2)) for p in ([1], [2])]
+            llm.scheduler.step()
+            results = [llm.scheduler.poll_result(i) for i in ids]
     finally:
         llm.close()
     assert [r.finish_reason for r in results] == ["error", "error"]
-    assert [r.getMessage() for r in caplog.records] == ["forward pass failed; failing 2 request(s)"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "forward pass of 2 requests failed (RuntimeError: planted); rerunning each alone",
+        *(f"forward pass failed for request {i}" for i in ids)]
