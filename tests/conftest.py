@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import os
-
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 from pocketllm import write_checkpoint
@@ -53,6 +53,16 @@ QWEN3_5_VARIANTS = {
                     "linear_key_head_dim": 8, "linear_value_head_dim": 32, "layer_types": ["linear_attention",
                                                                                       "full_attention"]},
 }
+
+
+@pytest.fixture
+def single_torch_thread():
+    """One intra-op thread for the test, restored after: tiny models gain nothing from more, and a
+    loaded machine's OpenMP spin-waiting makes their forwards erratic."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

@@ -26,14 +26,7 @@ INDEX = "model.safetensors.index.json"
 EMBED = "model.embed_tokens.weight"
 
 
-@pytest.fixture(autouse=True)
-def single_torch_thread():
-    """One intra-op thread: the tiny model gains nothing from more, and a loaded machine's OpenMP
-    spin-waiting makes its forwards erratic."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.fixture(scope="module")
