@@ -26,8 +26,9 @@ from ._triton import kernel_device_ok, tl, triton
 # 16-row tiles took 2x.
 DECODE_ROW_TILE = 4
 PREFILL_ROW_TILE = 64
-# Row stride of the staged input, in bytes: every tile starts on the same alignment.
-_ALIGN_BYTES = 64
+# Alignment of the staged input's rows and of loaded weights, in bytes: every tile and every weight
+# starts on the same alignment (the probe checks the weights).
+ALIGN_BYTES = 64
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -39,7 +40,7 @@ def _staged_rows(x: torch.Tensor, num_tiles: int, row_tile: int) -> torch.Tensor
     """x copied into a zeroed [num_tiles * row_tile, K] view whose rows start on a 64-byte
     boundary, so that every tile handed to the BLAS has the same alignment and strides."""
     rows, k = x.shape
-    per_row = max(1, _ALIGN_BYTES // x.element_size())
+    per_row = max(1, ALIGN_BYTES // x.element_size())
     padded_k = -(-k // per_row) * per_row
     staged = x.new_zeros(num_tiles * row_tile, padded_k)[:, :k]
     staged[:rows] = x

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from ..cache import AttentionCacheSpec, LayerCacheSpec, SlotCache
+from ..cache import LayerCacheSpec, SlotCache, attention_spec
 from ..config import ModelConfig
 from ..kernels import Ops
 from ..kernels.pointwise import elementwise_invariant
@@ -129,7 +129,7 @@ class Attention:
         self.o_proj_bias = w[prefix + "o_proj.bias"] if bias else None
         self.q_norm = norm_weight(w[prefix + "q_norm.weight"])
         self.k_norm = norm_weight(w[prefix + "k_norm.weight"])
-        self.cache_spec = AttentionCacheSpec(self.kv_heads, self.head_dim)
+        self.cache_spec = attention_spec(cfg)
 
     @staticmethod
     def weight_shapes(cfg: ModelConfig, prefix: str, gated: bool = False) -> Shapes:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..cache import RecurrentCacheSpec, SlotCache
+from ..cache import SlotCache, recurrent_spec
 from ..config import ModelConfig
 from ..kernels import Ops
 from ..kernels.pointwise import elementwise_invariant
@@ -72,10 +72,7 @@ class DeltaNet:
         self.neg_decay_rate = -w[p + "A_log"].float().exp()
         self.norm = w[p + "norm.weight"]
         self.out_proj = w[p + "out_proj.weight"]
-        key_dim, value_dim = gdn_dims(cfg)
-        self.cache_spec = RecurrentCacheSpec(2 * key_dim + value_dim, cfg.linear_conv_kernel_dim,
-                                             cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                             cfg.linear_value_head_dim)
+        self.cache_spec = recurrent_spec(cfg)
 
     def linear_weights(self) -> tuple[torch.Tensor, ...]:
         return self.in_proj, self.out_proj
