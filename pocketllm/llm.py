@@ -61,7 +61,8 @@ class LLM:
         self.model_config = ModelConfig.from_dir(args.model)
         engine = args.options.engine
         self._check_memory()
-        self.ops = get_ops(args.backend, args.options.backend.batch_invariant)
+        backend = args.options.backend
+        self.ops = get_ops(args.backend, backend.batch_invariant, backend.decode_per_row)
         self.model = build_model(args.model, self.model_config, self.ops, args.torch_dtype, self.device,
                                  args.max_seq_len)
         self.cache = SlotCache(args.max_batch_size, args.max_seq_len, self.model.cache_specs(), args.torch_dtype,

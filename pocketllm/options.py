@@ -36,6 +36,8 @@ class BackendOptions:
 
     batch_invariant: bool = _option(True, "torch backend: fixed-shape row tiles so results do not depend on the batch")
     invariance_probe: bool = _option(True, "torch backend: check at start-up that the row-wise ops are invariant here")
+    decode_per_row: bool = _option(False, "torch backend: decode rows multiply W one row per call (fastest for "
+                                          "batches of 1-2) instead of in 4-row tiles (fastest from 3 rows on)")
 
 
 @dataclass(frozen=True)

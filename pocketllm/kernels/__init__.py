@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 from . import _triton  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
 from .activation import silu_and_mul_ref
-from .attention import decode_attention_ref, prefill_attention_ref
+from .attention import decode_attention_fused, prefill_attention_fused
 from .conv1d import causal_conv1d_decode_ref, causal_conv1d_prefill_ref
 from .embedding import embedding_ref
 from .gated_delta import gated_delta_decode_ref, gated_delta_prefill_ref
 from .kv_write import rope_write_kv_ref
-from .linear import linear_ref, linear_row_invariant, prefill_linear_row_invariant
+from .linear import linear_per_row, linear_ref, linear_row_invariant, prefill_linear_row_invariant
 from .rmsnorm import rms_norm_gated_ref, rms_norm_ref
 from .sampling import sample_ref
 
@@ -43,17 +43,20 @@ class Ops:
     rms_norm_gated: Callable
 
 
-def torch_ops(batch_invariant: bool = True) -> Ops:
-    """Every op is its torch reference; `batch_invariant=False` makes the linear layers one plain
-    GEMM call per batch (a negative control for the invariance tests, and a speed baseline)."""
+def torch_ops(batch_invariant: bool = True, decode_per_row: bool = False) -> Ops:
+    """Torch implementations. Decode rows multiply W in 4-row tiles (`linear_row_invariant`), or
+    one row per call with `decode_per_row` (`linear_per_row`); prefill rows in 64-row tiles.
+    `batch_invariant=False` makes the linear layers one plain GEMM call per batch (a negative
+    control for the invariance tests, and a speed baseline)."""
+    decode_linear = linear_per_row if decode_per_row else linear_row_invariant
     return Ops(
         embedding=embedding_ref,
         rms_norm=rms_norm_ref,
         rope_write_kv=rope_write_kv_ref,
-        prefill_attention=prefill_attention_ref,
-        decode_attention=decode_attention_ref,
+        prefill_attention=prefill_attention_fused,
+        decode_attention=decode_attention_fused,
         silu_and_mul=silu_and_mul_ref,
-        linear=linear_row_invariant if batch_invariant else linear_ref,
+        linear=decode_linear if batch_invariant else linear_ref,
         prefill_linear=prefill_linear_row_invariant if batch_invariant else linear_ref,
         sample=sample_ref,
         conv1d_prefill=causal_conv1d_prefill_ref,
@@ -95,10 +98,10 @@ def triton_ops() -> Ops:
     )
 
 
-def get_ops(backend: str, batch_invariant: bool = True) -> Ops:
-    """The op table of `backend` ("torch" or "triton")."""
+def get_ops(backend: str, batch_invariant: bool = True, decode_per_row: bool = False) -> Ops:
+    """The op table of `backend` ("torch" or "triton"); the flags are the torch backend's."""
     if backend == "torch":
-        return torch_ops(batch_invariant)
+        return torch_ops(batch_invariant, decode_per_row)
     if backend == "triton":
         return triton_ops()
     raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")

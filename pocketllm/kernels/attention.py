@@ -7,11 +7,16 @@ cache holds K/V for positions [0, start + n) of a sequence by the time attention
 - `prefill_attention_ref`: varlen queries (cu_seqlens) of several sequences, each at absolute
   positions start .. start + n - 1 of its slot.
 - `decode_attention_ref`: one query per sequence, at position seq_len - 1 of its slot.
+- `prefill_attention_fused`, `decode_attention_fused`: the same through torch's fused attention,
+  still one call per sequence; what the torch backend runs.
 - `prefill_attention_triton`, `decode_attention_triton`: Triton kernels with the same semantics,
   batch invariant by construction (see their docstrings).
 """
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 
 from ._triton import kernel_device_ok, tl, triton
 from .checks import check_dtype, check_groups, check_shape
@@ -33,27 +38,72 @@ def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, s
     return out.reshape(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
 
 
-def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          slot_ids: torch.Tensor, start_positions: torch.Tensor,
+def _prefill_per_sequence(attend_one: Callable[..., torch.Tensor], q: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_ids: torch.Tensor, start_positions: torch.Tensor,
                           cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, Hq, D] (sequences concatenated), caches [slots, max_seq_len, Hkv, D],
-    slot_ids/start_positions [B], cu_seqlens [B + 1] -> [T, Hq, D]."""
+    """`attend_one` on each sequence of a varlen batch, over its own slot's keys."""
     out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()
     for i, (slot, start) in enumerate(zip(slot_ids.tolist(), start_positions.tolist())):
         lo, hi = bounds[i], bounds[i + 1]
         end = start + hi - lo
-        out[lo:hi] = _attend_one(q[lo:hi], k_cache[slot, :end], v_cache[slot, :end], start, scale)
+        out[lo:hi] = attend_one(q[lo:hi], k_cache[slot, :end], v_cache[slot, :end], start, scale)
     return out
+
+
+def _decode_per_sequence(attend_one: Callable[..., torch.Tensor], q: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, slot_ids: torch.Tensor, seq_lens: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """`attend_one` on each sequence's one new token, at position seq_len - 1 of its slot."""
+    out = torch.empty_like(q)
+    for i, (slot, length) in enumerate(zip(slot_ids.tolist(), seq_lens.tolist())):
+        out[i:i + 1] = attend_one(q[i:i + 1], k_cache[slot, :length], v_cache[slot, :length], length - 1, scale)
+    return out
+
+
+def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_ids: torch.Tensor, start_positions: torch.Tensor,
+                          cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, Hq, D] (sequences concatenated), caches [slots, max_seq_len, Hkv, D],
+    slot_ids/start_positions [B], cu_seqlens [B + 1] -> [T, Hq, D]."""
+    return _prefill_per_sequence(_attend_one, q, k_cache, v_cache, slot_ids, start_positions, cu_seqlens, scale)
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          slot_ids: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, Hq, D], one token per sequence at position seq_len - 1 -> [B, Hq, D]."""
-    out = torch.empty_like(q)
-    for i, (slot, length) in enumerate(zip(slot_ids.tolist(), seq_lens.tolist())):
-        out[i:i + 1] = _attend_one(q[i:i + 1], k_cache[slot, :length], v_cache[slot, :length], length - 1, scale)
-    return out
+    return _decode_per_sequence(_attend_one, q, k_cache, v_cache, slot_ids, seq_lens, scale)
+
+
+def _sdpa_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """As _attend_one, through torch's fused attention: q [n, Hq, D] at positions start..,
+    k/v [start + n, Hkv, D] -> [n, Hq, D]. Query row i sees keys 0 .. start + i: every key for a
+    single row, the built-in causal mask when start == 0, an explicit mask otherwise."""
+    n = q.shape[0]
+    mask = None
+    if n > 1 and start > 0:
+        mask = torch.arange(k.shape[0], device=q.device)[None, :] <= start + torch.arange(n, device=q.device)[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=mask, is_causal=n > 1 and start == 0, scale=scale,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def prefill_attention_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            slot_ids: torch.Tensor, start_positions: torch.Tensor,
+                            cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+    """prefill_attention_ref through torch's fused attention, one call per sequence: the torch
+    backend's op. One call per sequence keeps every shape the call sees (and so the fused kernel's
+    blocking) a function of that sequence alone; it never builds the [heads, n, n] score matrix the
+    reference does, which made attention a quarter of a 512-token prefill."""
+    return _prefill_per_sequence(_sdpa_one, q, k_cache, v_cache, slot_ids, start_positions, cu_seqlens, scale)
+
+
+def decode_attention_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slot_ids: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """decode_attention_ref through torch's fused attention, one call per sequence (one op where
+    the reference runs about ten): the torch backend's op."""
+    return _decode_per_sequence(_sdpa_one, q, k_cache, v_cache, slot_ids, seq_lens, scale)
 
 
 # -- Triton kernels ---------------------------------------------------------------------------

@@ -14,6 +14,8 @@ the model's own weights when an engine starts, and the tests re-measure it.
 `linear_triton` is the Triton kernel, row invariant by construction (fixed tiles, no split-K).
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -58,9 +60,54 @@ def linear_row_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     rows = x.shape[0]
     num_tiles = max(1, -(-rows // row_tile))
     staged = _staged_rows(x, num_tiles, row_tile)
-    tiles = [torch.matmul(weight, staged[i * row_tile:(i + 1) * row_tile].T) for i in range(num_tiles)]
-    out = (tiles[0] if num_tiles == 1 else torch.cat(tiles, dim=1)).T[:rows]
-    return (out if bias is None else out + bias).contiguous()
+    # Each tile's product lands in its own contiguous [N, row_tile] slab: one copy (the transpose
+    # back to rows) follows, not a concatenation as well.
+    slabs = x.new_empty(num_tiles, weight.shape[0], row_tile)
+    for i in range(num_tiles):
+        torch.matmul(weight, staged[i * row_tile:(i + 1) * row_tile].T, out=slabs[i])
+    # Contiguous whatever the tile count (one tile's transpose is only a view), so the ops after
+    # see one layout.
+    out = slabs.transpose(1, 2).reshape(num_tiles * row_tile, -1)[:rows].contiguous()
+    return out if bias is None else out + bias
+
+
+def _fp32_row_product() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """[1, K] x [N, K] -> [1, N] in fp32 on the CPU by the fastest matrix-vector product this torch
+    has: oneDNN's linear (measured on AMD EPYC: it streams W at ~30 GB/s, MKL's GEMV at ~20), else
+    F.linear. (oneDNN has no fp16 product on CPUs without AVX-512 FP16, so other dtypes take F.linear.)"""
+    dnn = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+    if dnn is None:
+        return F.linear
+    return lambda row, weight: dnn(row, weight, None, "none", [], "")
+
+
+FP32_ROW_PRODUCT = _fp32_row_product()
+# A weight over this size (the lm_head) is multiplied in blocks of BLOCK_ROWS rows, so that each
+# block stays in the last-level cache while every row of the batch reads it. Both depend on the
+# weight only, so a row's calls are the same in any batch.
+MAX_UNBLOCKED_BYTES = 32 * 2**20
+BLOCK_ROWS = 4096
+
+
+def linear_per_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[M, K] x [N, K] (+ [N]) -> [M, N], one matrix-vector call per row (and per block of W).
+
+    The other decode strategy beside linear_row_invariant: every row is its own call of one shape,
+    on a 64-byte aligned copy of the row, so a row's bits depend on its values, W and b only, with
+    nothing left to the library but computing the same call the same way. It is the fastest
+    product for one row (W is streamed once, at the matrix-vector rate); a batch of B rows reads
+    W from memory once and from the cache B - 1 times, which costs more than 4-row tiles from B = 3.
+    """
+    rows, n = x.shape[0], weight.shape[0]
+    product = FP32_ROW_PRODUCT if weight.dtype == torch.float32 and weight.device.type == "cpu" else F.linear
+    staged = _staged_rows(x, rows, 1)
+    out = x.new_empty(rows, n)
+    big = weight.numel() * weight.element_size() > MAX_UNBLOCKED_BYTES
+    for start in range(0, n, BLOCK_ROWS if big else max(n, 1)):
+        block = weight[start:start + BLOCK_ROWS] if big else weight
+        for i in range(rows):
+            out[i:i + 1, start:start + block.shape[0]] = product(staged[i:i + 1], block)
+    return out if bias is None else out + bias
 
 
 def prefill_linear_row_invariant(x: torch.Tensor, weight: torch.Tensor,

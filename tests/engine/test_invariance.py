@@ -50,9 +50,9 @@ workloads = st.tuples(st.lists(jobs, min_size=1, max_size=12), st.integers(1, 8)
 class Engines:
     """One serial engine and one batched engine per max_batch_size, built once per module."""
 
-    def __init__(self, path, batch_invariant: bool = True, max_seq_len: int = MAX_SEQ_LEN) -> None:
+    def __init__(self, path, batch_invariant: bool = True, max_seq_len: int = MAX_SEQ_LEN, **options) -> None:
         self.path = path
-        self.options = {"batch_invariant": batch_invariant}
+        self.options = {"batch_invariant": batch_invariant, **options}
         self.max_seq_len = max_seq_len
         self.serial = LLM(EngineArgs(model=str(path), max_seq_len=max_seq_len, backend_options=self.options))
         self.batched: dict[int, LLM] = {}
@@ -114,9 +114,17 @@ def mismatches(engines: Engines, workload: list[Job], max_batch_size: int) -> li
     return found
 
 
-@pytest.fixture(scope="module", params=["tiny", "untied_gqa4_bias", "qwen3.5", "qwen3.5_mm_untied"])
+# (checkpoint variant, backend options): both decode strategies of the torch backend's linear layers.
+ENGINE_VARIANTS = {"tiny": ("tiny", {}), "untied_gqa4_bias": ("untied_gqa4_bias", {}), "qwen3.5": ("qwen3.5", {}),
+                   "qwen3.5_mm_untied": ("qwen3.5_mm_untied", {}),
+                   "tiny_per_row": ("tiny", {"decode_per_row": True}),
+                   "qwen3.5_per_row": ("qwen3.5", {"decode_per_row": True})}
+
+
+@pytest.fixture(scope="module", params=sorted(ENGINE_VARIANTS))
 def engines(request, checkpoint_dir):
-    engines = Engines(checkpoint_dir(request.param))
+    variant, options = ENGINE_VARIANTS[request.param]
+    engines = Engines(checkpoint_dir(variant), **options)
     yield engines
     engines.close()
 
@@ -158,7 +166,7 @@ def test_background_thread_with_concurrent_submitters(engines):
                                    top_k=rng.choice([0, 10]), seed=rng.randrange(2**32)),
                     arrival_step=0, cancel_step=None)
                for _ in range(24)]
-    options = {"enable_batching": True, "max_batch_size": 4, "background_thread": True}
+    options = {**engines.options, "enable_batching": True, "max_batch_size": 4, "background_thread": True}
     with LLM(EngineArgs(model=str(engines.path), max_seq_len=MAX_SEQ_LEN, backend_options=options)) as llm:
         results: dict[int, object] = {}
         lock = threading.Lock()
@@ -181,11 +189,12 @@ def test_background_thread_with_concurrent_submitters(engines):
             assert (result.token_ids, result.logprobs) == engines.serial_output(workload[index]), index
 
 
-@pytest.mark.parametrize("preset", ["small", "qwen3.5-small"])
-def test_batched_equals_serial_at_realistic_width(tmp_path, preset):
+@pytest.mark.parametrize("preset,per_row", [("small", False), ("qwen3.5-small", False), ("small", True)])
+def test_batched_equals_serial_at_realistic_width(tmp_path, preset, per_row):
     """The contract at the widths of the benchmark presets (hidden 512, vocabulary 32000), where
     tensors are large enough for the CPU kernels to split work across threads: 10 mixed requests,
-    long enough prompts for multi-threaded prefill, through 4 slots, equal to their serial runs."""
+    long enough prompts for multi-threaded prefill, through 4 slots, equal to their serial runs;
+    with both decode strategies of the linear layers."""
     from pocketllm import write_checkpoint
 
     path = write_checkpoint(tmp_path / preset, preset, seed=9)
@@ -194,8 +203,9 @@ def test_batched_equals_serial_at_realistic_width(tmp_path, preset):
     params = [SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 0.9]), top_k=rng.choice([0, 50]),
                              top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(2**64), ignore_eos=True)
               for _ in prompts]
-    serial = LLM(EngineArgs(model=str(path), max_seq_len=192)).generate(prompt_tokens=prompts, sampling_params=params)
-    options = {"enable_batching": True, "max_batch_size": 4, "background_thread": False}
+    serial = LLM(EngineArgs(model=str(path), max_seq_len=192, backend_options={"decode_per_row": per_row})).generate(
+        prompt_tokens=prompts, sampling_params=params)
+    options = {"enable_batching": True, "max_batch_size": 4, "background_thread": False, "decode_per_row": per_row}
     with LLM(EngineArgs(model=str(path), max_seq_len=192, backend_options=options)) as llm:
         batched = llm.generate(prompt_tokens=prompts, sampling_params=params)
     for s, b in zip(serial, batched):

@@ -16,7 +16,7 @@ def test_none_and_empty_mean_defaults():
     assert args.options == Options(EngineOptions(), BackendOptions())
     assert args.backend_options == {"enable_batching": False, "max_batch_size": 8, "background_thread": True,
                                     "record_timeline": False, "batch_invariant": True,
-                                    "invariance_probe": True}
+                                    "invariance_probe": True, "decode_per_row": False}
 
 
 def test_keys_go_to_their_group_and_the_options_are_frozen():

@@ -14,6 +14,7 @@ import torch
 from pocketllm.kernels.linear import (
     DECODE_ROW_TILE,
     PREFILL_ROW_TILE,
+    linear_per_row,
     linear_row_invariant,
     prefill_linear_row_invariant,
 )
@@ -111,3 +112,43 @@ def test_tile_bits_do_not_depend_on_input_alignment():
     shifted = shifted_storage[1:].view(DECODE_ROW_TILE, k)
     assert shifted.data_ptr() % 64 != aligned.data_ptr() % 64
     assert torch.equal(linear_row_invariant(aligned, w), linear_row_invariant(shifted, w))
+
+
+# -- one row per call (the `decode_per_row` option) --------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("k,n", SMALL_SHAPES + [(1024, 3072)])
+def test_per_row_rows_are_independent_of_the_batch(threads, dtype, with_bias, k, n):
+    """linear_per_row: each row of a 9-row batch equals the row alone, and the row among other
+    rows at another position, bit for bit; the values agree with F.linear."""
+    x = _randn(9, k, seed=k * n + 2, dtype=dtype)
+    w = _randn(n, k, seed=k + n + 2, dtype=dtype)
+    b = _randn(n, seed=k - n + 2, dtype=dtype) if with_bias else None
+    full = linear_per_row(x, w, b)
+    tolerance = {torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 2e-1}[dtype]
+    torch.testing.assert_close(full.float(), torch.nn.functional.linear(x, w, b).float(), atol=tolerance, rtol=1e-2)
+    for j in range(9):
+        assert torch.equal(linear_per_row(x[j:j + 1], w, b), full[j:j + 1]), j
+        assert torch.equal(linear_per_row(x[[(j + 3) % 9, j]], w, b)[1:], full[j:j + 1]), j
+
+
+def test_per_row_blocks_a_large_weight_the_same_in_any_batch(monkeypatch):
+    """A weight over MAX_UNBLOCKED_BYTES (an lm_head) is multiplied in BLOCK_ROWS-row blocks, the last
+    one short: rows keep their bits alone and in a batch, and equal the unblocked values closely."""
+    import pocketllm.kernels.linear as linear
+
+    monkeypatch.setattr(linear, "MAX_UNBLOCKED_BYTES", 64 * 1024)
+    monkeypatch.setattr(linear, "BLOCK_ROWS", 96)
+    x = _randn(5, 128, seed=11, dtype=torch.float32)
+    w = _randn(1000, 128, seed=12, dtype=torch.float32)  # 512 KB: 11 blocks, the last of 40 rows
+    full = linear.linear_per_row(x, w)
+    torch.testing.assert_close(full, x @ w.T, atol=1e-4, rtol=1e-5)
+    assert all(torch.equal(linear.linear_per_row(x[j:j + 1], w), full[j:j + 1]) for j in range(5))
+
+
+def test_per_row_empty_batch():
+    """Zero rows in, zero rows out."""
+    out = linear_per_row(torch.empty(0, 32), _randn(16, 32, seed=13, dtype=torch.float32))
+    assert out.shape == (0, 16)
