@@ -5,9 +5,11 @@ thread, and one loop iteration, `step()`:
 
     admit_requests -> run_prefill_batch -> run_decode_batch -> handle_completions
 
-A background thread calls `step()` while there is work and sleeps on a condition variable when
-there is none; without it, the caller drives `step()` (deterministic tests). The forward passes
-run outside the lock, so submit, cancel and poll never wait for the model.
+A background thread calls `step()` while there is work and nobody else does, and sleeps on a
+condition variable otherwise: `generate()` and a poll that waits without a timeout step the loop on
+their own thread, which is faster on the CPU (see `_drive`). Without the thread, the caller drives
+`step()` (deterministic tests). The forward passes run outside the lock, so submit, cancel and a
+poll with a timeout never wait for the model.
 
 Prefill is batched: every request admitted in a step is prefilled in one varlen forward. Decode
 runs every running request in one forward. Every submitted request reaches exactly one terminal
@@ -131,6 +133,11 @@ class BatchScheduler:
         unknown. Raises KeyError for an id that was never submitted or was already collected,
         ValueError for a negative or NaN timeout."""
         deadline = _deadline(timeout_ms)
+        if deadline is None:  # a caller that waits as long as it takes does the work itself
+            with self._lock:
+                if request_id not in self._requests:
+                    raise KeyError(f"request id {request_id} is unknown or its result was already collected")
+            self._drive([request_id])
         with self._lock:
             while True:
                 request = self._requests.get(request_id)
@@ -172,21 +179,32 @@ class BatchScheduler:
 
     def generate(self, requests: Sequence[tuple[Sequence[int], SamplingParams]]) -> list[GenerationResult]:
         """Submit (prompt, params) pairs and step the loop on the calling thread until they are
-        done; the background thread sleeps meanwhile. A caller that would only wait anyway does the
-        work itself: on the CPU this keeps the model compute on one thread, because a second thread
-        running torch ops brings a second OpenMP pool that competes with the first for the cores
-        (measured: ~20% slower per token on 2 cores). Other submitters' requests share the steps."""
+        done (see `_drive`); other submitters' requests share the steps."""
+        ids = [self.submit_request(prompt, params) for prompt, params in requests]
+        self._drive(ids)
+        # Every one has finished, so none of these polls comes back empty.
+        return cast("list[GenerationResult]", [self.poll_result(i) for i in ids])
+
+    def _drive(self, ids: list[int]) -> None:
+        """Step the loop on the calling thread until every request in `ids` has finished (or was
+        collected by another poller); the background thread sleeps meanwhile.
+
+        Why a caller that would only wait does the work: torch's CPU build runs on GNU OpenMP, whose
+        worker threads spin between parallel regions only while no more OpenMP threads exist than
+        CPUs. The caller's thread already has a team (it loaded the model), so a second thread
+        running torch ops makes both teams wait on futexes between regions: measured 1.5x slower
+        per token on 2 cores than the same steps on the caller's thread."""
         with self._lock:
             self._drivers += 1
         try:
-            ids = [self.submit_request(prompt, params) for prompt, params in requests]
             while True:
                 with self._lock:
-                    if all(self._requests[i].finished and self._requests[i].slot is None for i in ids):
-                        break
+                    if all((r := self._requests.get(i)) is None or (r.finished and r.slot is None) for i in ids):
+                        return
+                    if self._stopped:  # stop() ends every request; wait for it rather than step
+                        self._done.wait()
+                        continue
                 self.step()
-            # Every one has finished, so none of these polls comes back empty.
-            return cast("list[GenerationResult]", [self.poll_result(i) for i in ids])
         finally:
             with self._lock:
                 self._drivers -= 1
@@ -205,6 +223,8 @@ class BatchScheduler:
         with self._step_lock:
             start = time.perf_counter()
             with self._lock:
+                if self._stopped:  # stop() cancels what is left; a late step runs nothing
+                    return False
                 self._stepping = True
                 self._counts["steps"] += 1
                 prefill = self._admit_requests()

@@ -101,3 +101,32 @@ def test_two_concurrent_drivers_keep_the_thread_asleep(make_llm, monkeypatch):
     b.join(30)
     assert a_result[0].finish_reason == "length" and b_results[0].finish_reason == "length"
     assert set(names) <= {"A", "B"} and "B" in names
+
+
+def test_a_poll_that_waits_steps_on_its_own_thread(make_llm, gate, wait_until):
+    """poll_result(timeout_ms=None) drives the loop itself once the step in progress is done: the
+    forwards that finish its request run on the polling thread, none on the background thread."""
+    llm = make_llm(background=True)
+    g = gate(llm)
+    names: list[str] = []
+    gated_run = llm.runner.run
+
+    def run(seqs, is_decode):
+        names.append(threading.current_thread().name)
+        return gated_run(seqs, is_decode)
+
+    llm.runner.run = run
+    params = SamplingParams(max_tokens=3, temperature=0)
+    llm.scheduler.submit_request([1, 2], params)
+    assert g.entered.wait(10)  # the thread is inside the prefill of the first request
+    second = llm.scheduler.submit_request([3, 4], params)
+    polled = []
+    poller = threading.Thread(target=lambda: polled.append(llm.scheduler.poll_result(second, timeout_ms=None)),
+                              name="poller", daemon=True)
+    poller.start()
+    wait_until(lambda: llm.scheduler._drivers == 1, what="the poll to become the driver")
+    names.clear()
+    g.opened.set()
+    poller.join(10)
+    assert polled and polled[0].finish_reason == "length"
+    assert names and set(names) == {"poller"}
