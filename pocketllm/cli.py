@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -11,21 +10,9 @@ from typing import Any, NoReturn, cast
 
 from .config import DTYPES, EngineArgs
 from .llm import LLM
-from .models import PRESETS, write_checkpoint
+from .models import PRESETS, cached_checkpoint, write_checkpoint
 from .outputs import GenerationResult
 from .sampling import SamplingParams
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("POCKETLLM_CACHE", Path.home() / ".cache" / "pocketllm"))
-
-
-def embedded_checkpoint(preset: str = "tiny", seed: int = 0) -> Path:
-    """The demo's checkpoint: written once into the cache directory, reused afterwards."""
-    path = default_cache_dir() / f"{preset}-seed{seed}"
-    if not all((path / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json")):
-        write_checkpoint(path, preset, seed=seed)
-    return path
 
 
 def _token_list(text: str) -> list[int]:
@@ -76,7 +63,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     that every request's tokens and logprobs are bitwise the same in both."""
     from tqdm import tqdm
 
-    path = embedded_checkpoint(args.preset)
+    path = cached_checkpoint(args.preset)
     print(f"checkpoint: {path} (random weights, preset {args.preset!r}: expect gibberish text)")
     params = _demo_params(len(DEMO_PROMPTS))
     common: dict[str, Any] = dict(model=str(path), max_seq_len=256)

@@ -58,6 +58,13 @@ def _static_batch(model: Any, prompts: list[list[int]], new_tokens: int) -> floa
     return clock.first_token_time
 
 
+def timed_generate(model: Any, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    """(TTFT, total time) in seconds of one greedy request generating exactly `new_tokens`."""
+    start = time.perf_counter()
+    first = _static_batch(model, [prompt], new_tokens)
+    return first - start, time.perf_counter() - start
+
+
 def run_transformers(model: Any, workload: Workload, batch_size: int) -> Run:
     """Static batching in submission order (batch 1: one request at a time). A batch runs until its
     longest request is done; only the tokens each request asked for are counted."""

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true",
                         help="tiny preset, 8 requests per workload, max_batch_size 1, 2, 4: under a minute")
     parser.add_argument("--seed", type=int, default=0, help="seeds the checkpoint weights and the workloads")
+    parser.add_argument("--real-shapes", action="store_true",
+                        help="the real-shape benchmark instead: Qwen3-0.6B and Qwen3.5-0.8B shapes against "
+                             "transformers (see pocketllm.bench.real_shapes; tiny presets with --quick)")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
     return parser
 
@@ -70,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     skipped = missing_extras(args.no_transformers)
     for part, why in skipped.items():
         print(f"pocketllm bench: skipping {part.replace('_', ' ')}: {why}", file=sys.stderr)
+    if args.real_shapes:
+        from .real_shapes import run
+
+        print(run(args.out, args.quick, args.seed, "transformers_baseline" not in skipped, "plots" not in skipped))
+        return 0
     scale = SCALES["quick" if args.quick else "full"]
     preset = args.preset or scale.preset
     machine = machine_info()

@@ -4,6 +4,7 @@ without switching the process's matplotlib backend."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
@@ -61,5 +62,28 @@ def _plot_ttft(runs: list[Run]) -> Figure:
     ax.set_ylabel("fraction of requests")
     ax.set_title("TTFT CDF, random workload, pocketllm")
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_real_shapes(models: list[dict[str, Any]]) -> Figure:
+    """One row per model: batch-1 decode, batched and prefill tokens/s, one bar per engine; the
+    decode panel marks the memory-bandwidth limit."""
+    metrics = (("decode_1", "batch-1 decode"), ("batched_8", "continuous batching 8"), ("prefill", "prefill"))
+    fig = Figure(figsize=(13, 3.8 * len(models)))
+    axes = fig.subplots(len(models), len(metrics), squeeze=False)
+    for row, model in zip(axes, models):
+        verdicts = model["verdicts"]
+        for ax, (key, title) in zip(row, metrics):
+            rates = verdicts[key]["tokens_per_s"]
+            ax.bar([name.replace("pocketllm (", "(").replace(" decode", "") for name in rates], list(rates.values()),
+                   color=[f"C{i}" for i in range(len(rates))])
+            if key == "decode_1":
+                ax.axhline(verdicts["bandwidth_limit_tokens_per_s"], color="black", linestyle=":",
+                           label="memory-bandwidth limit")
+                ax.legend(fontsize=8)
+            ax.set_title(f"{model['preset']}: {title}")
+            ax.set_ylabel("tokens/s")
+            ax.tick_params(axis="x", labelsize=7)
     fig.tight_layout()
     return fig

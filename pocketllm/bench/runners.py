@@ -76,11 +76,13 @@ def run_serial(path: Path, workload: Workload) -> Run:
     return summarize(workload, "pocketllm", "serial", 1, wall, samples)
 
 
-def run_batched(path: Path, workload: Workload, max_batch_size: int, timeline: list[SlotEvent] | None = None) -> Run:
-    """Continuous batching, every request submitted at once. With a `timeline` list, the run
-    records its slot timeline and appends the measured requests' events (time 0 = first event)."""
+def run_batched(path: Path, workload: Workload, max_batch_size: int, timeline: list[SlotEvent] | None = None,
+                **options: Any) -> Run:
+    """Continuous batching, every request submitted at once, on an engine with these backend
+    `options` besides. With a `timeline` list, the run records its slot timeline and appends the
+    measured requests' events (time 0 = first event)."""
     with _engine(path, enable_batching=True, max_batch_size=max_batch_size,
-                 record_timeline=timeline is not None) as llm:
+                 record_timeline=timeline is not None, **options) as llm:
         _warm_up(llm, max_batch_size)
         start = time.perf_counter()
         results = _generate(llm, workload.prompts, workload.params())

@@ -2,9 +2,9 @@
 
 from .batch import ForwardBatch
 from .loader import CheckpointError, load_weights
-from .presets import PRESETS, write_checkpoint
+from .presets import PRESETS, cached_checkpoint, write_checkpoint
 from .protocol import Model
 from .registry import ARCHITECTURES, build_model
 
-__all__ = ["ARCHITECTURES", "CheckpointError", "ForwardBatch", "Model", "PRESETS", "build_model", "load_weights",
-           "write_checkpoint"]
+__all__ = ["ARCHITECTURES", "CheckpointError", "ForwardBatch", "Model", "PRESETS", "build_model", "cached_checkpoint",
+           "load_weights", "write_checkpoint"]

@@ -7,6 +7,7 @@ checkpoints written here: deterministic from a seed, loadable by `transformers` 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                       "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
                       "linear_num_key_heads": 4, "linear_num_value_heads": 8, "linear_key_head_dim": 64,
                       "linear_value_head_dim": 64, "tie_word_embeddings": True, "eos_token_id": 31999},
+    # The exact shapes of published checkpoints (random weights): real-size CPU benchmarks.
+    "qwen3-0.6b": {**_QWEN3_BASE, "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
+                   "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                   "tie_word_embeddings": True, "eos_token_id": 151645},
+    "qwen3.5-0.8b": {**_QWEN3_5_BASE, "vocab_size": 248320, "hidden_size": 1024, "intermediate_size": 3584,
+                     "num_hidden_layers": 24, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+                     "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
+                     "linear_value_head_dim": 128, "tie_word_embeddings": True, "eos_token_id": 248044},
 }
 
 # A small vision tower config, only so that the multimodal layout's config.json is complete.
@@ -172,4 +181,18 @@ def write_checkpoint(path: str | Path, preset: str = "tiny", seed: int = 0, init
     total = sum(t.numel() * t.element_size() for t in weights.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return path
+
+
+def cache_dir() -> Path:
+    """Where generated checkpoints are kept: $POCKETLLM_CACHE, else ~/.cache/pocketllm."""
+    return Path(os.environ.get("POCKETLLM_CACHE", Path.home() / ".cache" / "pocketllm"))
+
+
+def cached_checkpoint(preset: str = "tiny", seed: int = 0) -> Path:
+    """The checkpoint of `preset` and `seed` in the cache directory: written once, reused afterwards
+    (the demo's embedded default, and the real-shape benchmark's gigabyte-sized checkpoints)."""
+    path = cache_dir() / f"{preset}-seed{seed}"
+    if not all((path / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json")):
+        write_checkpoint(path, preset, seed=seed)
     return path

@@ -91,3 +91,24 @@ def test_plain_install_writes_report_says_what_it_skipped(tmp_path, monkeypatch,
     assert "## The seed's table" in md
     assert "Skipped plots: matplotlib is not installed: pip install 'pocketllm[plot]'." in md
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_real_shapes_quick_writes_every_point(tmp_path, monkeypatch, one_torch_thread):
+    """`pocketllm bench --real-shapes --quick`: both model families, transformers and every pocketllm
+    configuration at every point, verdicts against the goals, JSON, Markdown and the plot."""
+    monkeypatch.setenv("POCKETLLM_CACHE", str(tmp_path / "cache"))
+    assert main(["--real-shapes", "--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "real_shapes.json").read_text())
+    from pocketllm.bench.real_shapes import CONFIGS, GOALS
+
+    assert [m["preset"] for m in report["models"]] == ["tiny", "qwen3.5-tiny"]
+    for model in report["models"]:
+        assert [p["engine"] for p in model["points"]] == ["transformers", *CONFIGS]
+        for point in model["points"]:
+            assert point["decode_tpot_s"] > 0 and point["batched_tokens_per_s"] > 0 and point["prefill_s"] > 0
+        verdicts = model["verdicts"]
+        assert set(GOALS) <= set(verdicts) and verdicts["bandwidth_limit_tokens_per_s"] > 0
+        assert set(verdicts["decode_1"]["ratio"]) == set(CONFIGS)
+    assert report["read_bandwidth_gb_s"] > 0
+    assert "| batch-1 decode |" in (tmp_path / "real_shapes.md").read_text()
+    assert (tmp_path / "real_shapes.png").read_bytes().startswith(PNG_SIGNATURE)
