@@ -102,9 +102,9 @@ def linear_per_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     product = FP32_ROW_PRODUCT if weight.dtype == torch.float32 and weight.device.type == "cpu" else F.linear
     staged = _staged_rows(x, rows, 1)
     out = x.new_empty(rows, n)
-    big = weight.numel() * weight.element_size() > MAX_UNBLOCKED_BYTES
-    for start in range(0, n, BLOCK_ROWS if big else max(n, 1)):
-        block = weight[start:start + BLOCK_ROWS] if big else weight
+    block_rows = BLOCK_ROWS if weight.numel() * weight.element_size() > MAX_UNBLOCKED_BYTES else max(n, 1)
+    for start in range(0, n, block_rows):
+        block = weight[start:start + block_rows]
         for i in range(rows):
             out[i:i + 1, start:start + block.shape[0]] = product(staged[i:i + 1], block)
     return out if bias is None else out + bias

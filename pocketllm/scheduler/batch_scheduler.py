@@ -134,10 +134,7 @@ class BatchScheduler:
         ValueError for a negative or NaN timeout."""
         deadline = _deadline(timeout_ms)
         if deadline is None:  # a caller that waits as long as it takes does the work itself
-            with self._lock:
-                if request_id not in self._requests:
-                    raise KeyError(f"request id {request_id} is unknown or its result was already collected")
-            self._drive([request_id])
+            self._drive([request_id])  # returns at once for an unknown id: the KeyError comes below
         with self._lock:
             while True:
                 request = self._requests.get(request_id)
