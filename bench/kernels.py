@@ -22,18 +22,19 @@ import torch
 import torch.nn.functional as F
 
 from pocketllm.kernels import _triton
-from pocketllm.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from pocketllm.kernels.conv1d import (causal_conv1d_decode_ref, causal_conv1d_decode_triton,
-                                      causal_conv1d_prefill_ref, causal_conv1d_prefill_triton)
-from pocketllm.kernels.gated_delta import (gated_delta_decode_ref, gated_delta_decode_triton, gated_delta_prefill_ref,
-                                           gated_delta_prefill_triton)
-from pocketllm.kernels.attention import (decode_attention_ref, decode_attention_triton, prefill_attention_ref,
-                                         prefill_attention_triton)
-from pocketllm.kernels.kv_write import rope_write_kv_ref, rope_write_kv_triton
+from pocketllm.kernels.conv1d_decode import conv1d_decode_ref, conv1d_decode_triton
+from pocketllm.kernels.conv1d_prefill import conv1d_prefill_ref, conv1d_prefill_triton
+from pocketllm.kernels.decode_attention import decode_attention_ref, decode_attention_triton
+from pocketllm.kernels.gated_delta_decode import gated_delta_decode_ref, gated_delta_decode_triton
+from pocketllm.kernels.gated_delta_prefill import gated_delta_prefill_ref, gated_delta_prefill_triton
 from pocketllm.kernels.linear import linear_ref, linear_triton
-from pocketllm.kernels.rmsnorm import rms_norm_gated_ref, rms_norm_gated_triton, rms_norm_ref, rms_norm_triton
+from pocketllm.kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
+from pocketllm.kernels.rms_norm import rms_norm_ref, rms_norm_triton
+from pocketllm.kernels.rms_norm_gated import rms_norm_gated_ref, rms_norm_gated_triton
 from pocketllm.kernels.rope import rope_table
-from pocketllm.kernels.sampling import sample_ref, sample_triton
+from pocketllm.kernels.rope_write_kv import rope_write_kv_ref, rope_write_kv_triton
+from pocketllm.kernels.sample import sample_ref, sample_triton
+from pocketllm.kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
 
 # Peak HBM bandwidth (bytes/s) and dense bf16 tensor throughput (FLOP/s) by device name fragment.
 DEVICE_PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.04e12, 312e12),
@@ -158,13 +159,13 @@ def make_cases(device: str, dtype: torch.dtype, smoke: bool) -> list[Case]:
     gd_x, gd_conv_w = rand(gd_tokens, conv_dim), rand(conv_dim, width)
     gd_conv_states = torch.zeros(seqs, conv_dim, width - 1, device=device, dtype=dtype)
     cases.append(Case("conv1d_prefill", f"T={gd_tokens} C={conv_dim} K={width}",
-                      lambda: causal_conv1d_prefill_triton(gd_x, gd_conv_w, gd_conv_states, gd_slots, gd_cu),
-                      {"reference": lambda: causal_conv1d_prefill_ref(gd_x, gd_conv_w, gd_conv_states, gd_slots, gd_cu)},
+                      lambda: conv1d_prefill_triton(gd_x, gd_conv_w, gd_conv_states, gd_slots, gd_cu),
+                      {"reference": lambda: conv1d_prefill_ref(gd_x, gd_conv_w, gd_conv_states, gd_slots, gd_cu)},
                       bytes_moved=2 * nbytes(gd_x), reset=gd_conv_states.zero_))
     gd_x1 = rand(seqs, conv_dim)
     cases.append(Case("conv1d_decode", f"B={seqs} C={conv_dim} K={width}",
-                      lambda: causal_conv1d_decode_triton(gd_x1, gd_conv_w, gd_conv_states, gd_slots),
-                      {"reference": lambda: causal_conv1d_decode_ref(gd_x1, gd_conv_w, gd_conv_states, gd_slots)},
+                      lambda: conv1d_decode_triton(gd_x1, gd_conv_w, gd_conv_states, gd_slots),
+                      {"reference": lambda: conv1d_decode_ref(gd_x1, gd_conv_w, gd_conv_states, gd_slots)},
                       bytes_moved=2 * nbytes(gd_x1) + 2 * nbytes(gd_conv_states), reset=gd_conv_states.zero_))
     gd_q, gd_k, gd_v = rand(gd_tokens, hk, dk), rand(gd_tokens, hk, dk), rand(gd_tokens, hv, dv)
     gd_decay = -torch.rand(gd_tokens, hv, generator=g_cpu(1)).to(device)

@@ -14,6 +14,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from .kernels.registry import ImplSpec, check_overrides
 from .options import Options, parse_backend_options
 
 # An untrusted config.json's layer count is bounded before anything is built per layer.
@@ -33,6 +34,10 @@ class EngineArgs:
     `backend_options` (a flat dict, None for all defaults; see `pocketllm.options`) is checked and
     parsed once into `options`, which is what the engine reads; afterwards `backend_options` holds
     every key with its value, defaults filled in.
+
+    `op_overrides` runs ops on other implementations than the backend's: op name -> a registered
+    implementation name ("ref", "triton", ...), an import path "package.module:function", or a
+    callable, each checked against the op's signature here (see `pocketllm.kernels.registry`).
     """
 
     model: str
@@ -41,10 +46,13 @@ class EngineArgs:
     device: str = "cpu"
     max_seq_len: int = 4096
     backend_options: dict[str, Any] | None = None
+    op_overrides: dict[str, ImplSpec] | None = None
     options: Options = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_engine_fields(self)
+        if self.op_overrides is not None:
+            check_overrides(self.op_overrides)
         self.options = parse_backend_options(self.backend_options)
         self.backend_options = self.options.as_dict()
 

@@ -14,7 +14,7 @@ import torch
 
 from .cache import SlotCache, cache_bytes, layer_specs, require_memory
 from .config import EngineArgs, ModelConfig
-from .kernels import Ops, get_ops
+from .kernels import get_ops
 from .kernels.probe import ProbeReport, probe_row_invariance
 from .models import build_model
 from .outputs import GenerationResult
@@ -62,12 +62,12 @@ class LLM:
         engine = args.options.engine
         self._check_memory()
         backend = args.options.backend
-        self.ops = get_ops(args.backend, backend.batch_invariant, backend.decode_per_row)
-        self.model = build_model(args.model, self.model_config, self.ops, args.torch_dtype, self.device,
+        ops = get_ops(args.backend, backend.batch_invariant, backend.decode_per_row, args.op_overrides)
+        self.model = build_model(args.model, self.model_config, ops, args.torch_dtype, self.device,
                                  args.max_seq_len)
         self.cache = SlotCache(args.max_batch_size, args.max_seq_len, self.model.cache_specs(), args.torch_dtype,
                                self.device)
-        self.runner = ModelRunner(self.model, self.cache, self.ops, self.device)
+        self.runner = ModelRunner(self.model, self.cache, self.device)
         self.invariance_report: ProbeReport | None = None
         batch_invariant = self._check_invariance()
         self.tokenizer: Tokenizer | None = load_tokenizer(args.model)
@@ -91,7 +91,7 @@ class LLM:
             return False
         if self.args.backend != "torch" or not options.invariance_probe:
             return True
-        ops: Ops = self.ops
+        ops = self.model.ops
         cfg = self.model_config
         *body, lm_head = self.model.linear_weights()
         report = probe_row_invariance(ops.linear, ops.prefill_linear, ops.rms_norm, ops.silu_and_mul, ops.sample,

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from .cache import SlotCache
-from .kernels import Ops
 from .models import ForwardBatch, Model
 from .sampling import SamplingParams
 
@@ -39,10 +38,9 @@ def _as_int64(seed: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: Model, cache: SlotCache, ops: Ops, device: torch.device | str) -> None:
+    def __init__(self, model: Model, cache: SlotCache, device: torch.device | str) -> None:
         self.model = model
         self.cache = cache
-        self.ops = ops
         self.device = torch.device(device)
 
     @torch.inference_mode()
@@ -73,7 +71,7 @@ class ModelRunner:
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)
 
-        tokens, logprobs = self.ops.sample(
+        tokens, logprobs = self.model.ops.sample(
             logits,
             column([0.0 if s.params.greedy else float(s.params.temperature) for s in seqs], torch.float32),
             column([s.params.top_k for s in seqs], torch.int64),

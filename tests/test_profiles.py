@@ -9,9 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from hypothesis import settings
-
 from conftest import budget
+from hypothesis import settings
 
 TESTS = Path(__file__).resolve().parent
 LITERAL_BUDGET = re.compile(r"max_examples\s*=\s*\d+\s*[,)]")  # a bare number, not one scaled by the profile

@@ -24,18 +24,24 @@ declare -A TESTS=(
   [pocketllm.models.batch]="tests/models/test_batch.py tests/scheduler/test_slot_state.py"
   [pocketllm.scheduler.request]="tests/scheduler/test_request.py tests/scheduler/test_slot_state.py tests/scheduler/test_lifecycle.py"
   [pocketllm.scheduler.batch_scheduler]="tests/scheduler/test_lifecycle.py tests/scheduler/test_cancel_poll.py tests/scheduler/test_callbacks_errors.py tests/scheduler/test_stats.py tests/scheduler/test_slot_state.py tests/scheduler/test_background_driver.py tests/scheduler/test_step_accounting.py tests/scheduler/test_poll_timeout.py tests/scheduler/test_scheduler_api_edges.py tests/scheduler/test_stop_thread.py --deselect=tests/scheduler/test_stop_thread.py::test_close_from_a_callback_does_not_deadlock"
-  [pocketllm.kernels.sampling]="tests/kernels/test_sampling.py tests/kernels/test_sampling_boundaries.py tests/kernels/test_sampling_spec.py"
-  [pocketllm.kernels.rmsnorm]="tests/kernels/test_ops_reference.py tests/kernels/test_norm_reference.py"
+  [pocketllm.kernels.sample]="tests/kernels/test_sampling.py tests/kernels/test_sampling_boundaries.py tests/kernels/test_sampling_spec.py"
+  [pocketllm.kernels.rms_norm]="tests/kernels/test_ops_reference.py tests/kernels/test_norm_reference.py"
+  [pocketllm.kernels.rms_norm_gated]="tests/kernels/test_ops_reference.py tests/kernels/test_norm_reference.py"
   [pocketllm.kernels.rope]="tests/kernels/test_ops_reference.py tests/kernels/test_rope_reference.py"
-  [pocketllm.kernels.attention]="tests/kernels/test_ops_reference.py tests/kernels/test_split_invariance.py"
+  [pocketllm.kernels._attention]="tests/kernels/test_ops_reference.py tests/kernels/test_split_invariance.py"
+  [pocketllm.kernels.prefill_attention]="tests/kernels/test_ops_reference.py tests/kernels/test_split_invariance.py"
+  [pocketllm.kernels.decode_attention]="tests/kernels/test_ops_reference.py"
 )
 # In the kernel modules only the torch references are mutated (the Triton kernels are decorated
 # functions, which mutmut leaves alone; their launchers are tested under the interpreter elsewhere).
 declare -A PATTERNS=(
-  [pocketllm.kernels.sampling]="pocketllm.kernels.sampling.x_mix32* pocketllm.kernels.sampling.x__mul32* pocketllm.kernels.sampling.x_row_keys* pocketllm.kernels.sampling.x_uniform_noise* pocketllm.kernels.sampling.x_allowed_mask* pocketllm.kernels.sampling.x_sample_ref*"
-  [pocketllm.kernels.rmsnorm]="pocketllm.kernels.rmsnorm.x_*_ref*"
+  [pocketllm.kernels.sample]="pocketllm.kernels.sample.x_mix32* pocketllm.kernels.sample.x__mul32* pocketllm.kernels.sample.x_row_keys* pocketllm.kernels.sample.x_uniform_noise* pocketllm.kernels.sample.x_allowed_mask* pocketllm.kernels.sample.x_sample_ref*"
+  [pocketllm.kernels.rms_norm]="pocketllm.kernels.rms_norm.x_*_ref*"
+  [pocketllm.kernels.rms_norm_gated]="pocketllm.kernels.rms_norm_gated.x_*_ref*"
   [pocketllm.kernels.rope]="pocketllm.kernels.rope.x_rope_table* pocketllm.kernels.rope.x_apply_rope_ref*"
-  [pocketllm.kernels.attention]="pocketllm.kernels.attention.x__attend_one* pocketllm.kernels.attention.x_*_attention_ref*"
+  [pocketllm.kernels._attention]="pocketllm.kernels._attention.x__attend_one*"
+  [pocketllm.kernels.prefill_attention]="pocketllm.kernels.prefill_attention.x_prefill_attention_ref*"
+  [pocketllm.kernels.decode_attention]="pocketllm.kernels.decode_attention.x_decode_attention_ref*"
 )
 
 run_one() {

@@ -1,107 +1,94 @@
 """Ops, one module each, and the table through which the model calls them.
 
-A backend is a choice of implementation for every op. The model code never imports an op
-directly; it calls `ops.<name>` on the table `get_ops` returns, so swapping a kernel in is a
-one-line change here.
+A backend is a choice of implementation (by name, from `registry.IMPLEMENTATIONS`) for every op;
+`get_ops` builds the table, with any op overridden by a registered name, an import path or a
+callable. The model code never imports an op directly; it calls `ops.<name>` on the table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from . import _triton  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
-from .activation import silu_and_mul_ref
-from .attention import decode_attention_fused, prefill_attention_fused
-from .conv1d import causal_conv1d_decode_ref, causal_conv1d_prefill_ref
-from .embedding import embedding_ref
-from .gated_delta import gated_delta_decode_ref, gated_delta_prefill_ref
-from .kv_write import rope_write_kv_ref
-from .linear import linear_per_row, linear_ref, linear_row_invariant, prefill_linear_row_invariant
-from .rmsnorm import rms_norm_gated_ref, rms_norm_ref
-from .sampling import sample_ref
+from .conv1d_decode import Conv1dDecode
+from .conv1d_prefill import Conv1dPrefill
+from .decode_attention import DecodeAttention
+from .embedding import Embedding
+from .gated_delta_decode import GatedDeltaDecode
+from .gated_delta_prefill import GatedDeltaPrefill
+from .linear import Linear
+from .prefill_attention import PrefillAttention
+from .registry import IMPLEMENTATIONS, OP_NAMES, ImplSpec, check_overrides, register, resolve
+from .rms_norm import RmsNorm
+from .rms_norm_gated import RmsNormGated
+from .rope_write_kv import RopeWriteKv
+from .sample import Sample
+from .silu_and_mul import SiluAndMul
+
+__all__ = ["IMPLEMENTATIONS", "OP_NAMES", "Ops", "backend_impls", "get_ops", "register", "resolve", "torch_ops",
+           "triton_ops"]
 
 
 @dataclass(frozen=True)
 class Ops:
-    """The op table the model runs on."""
+    """The op table the model runs on: one callable per op, typed by the op's signature."""
 
-    embedding: Callable
-    rms_norm: Callable
-    rope_write_kv: Callable
-    prefill_attention: Callable
-    decode_attention: Callable
-    silu_and_mul: Callable
-    linear: Callable  # decode rows and the lm_head
-    prefill_linear: Callable  # the token rows of a prefill (may tile rows differently, never per batch)
-    sample: Callable
+    embedding: Embedding
+    rms_norm: RmsNorm
+    rope_write_kv: RopeWriteKv
+    prefill_attention: PrefillAttention
+    decode_attention: DecodeAttention
+    silu_and_mul: SiluAndMul
+    linear: Linear  # decode rows and the lm_head
+    prefill_linear: Linear  # the token rows of a prefill (may tile rows differently, never per batch)
+    sample: Sample
     # Gated DeltaNet layers (Qwen3.5)
-    conv1d_prefill: Callable
-    conv1d_decode: Callable
-    gated_delta_prefill: Callable
-    gated_delta_decode: Callable
-    rms_norm_gated: Callable
+    conv1d_prefill: Conv1dPrefill
+    conv1d_decode: Conv1dDecode
+    gated_delta_prefill: GatedDeltaPrefill
+    gated_delta_decode: GatedDeltaDecode
+    rms_norm_gated: RmsNormGated
+
+
+def backend_impls(backend: str, batch_invariant: bool = True, decode_per_row: bool = False) -> dict[str, str]:
+    """op -> implementation name for `backend`.
+
+    torch: the references, except attention through torch's fused attention and the linear layers
+    in fixed row tiles (`linear.py`): 4-row tiles for decode rows, or one row per call with
+    `decode_per_row`; 64-row tiles for prefill rows. `batch_invariant=False` makes the linear
+    layers one plain GEMM call per batch (a negative control for the invariance tests, and a speed
+    baseline). triton: every op with a Triton kernel uses it (compiled on CUDA, interpreted on
+    CPU); they are batch invariant by construction, so the flags do not apply. The embedding
+    stays a gather: it does no arithmetic."""
+    if backend == "torch":
+        impls = dict.fromkeys(OP_NAMES, "ref")
+        impls.update(prefill_attention="fused", decode_attention="fused")
+        if batch_invariant:
+            impls.update(linear="per_row" if decode_per_row else "row_invariant", prefill_linear="row_invariant")
+        return impls
+    if backend == "triton":
+        return {op: "ref" if op == "embedding" else "triton" for op in OP_NAMES}
+    raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+
+
+def get_ops(backend: str, batch_invariant: bool = True, decode_per_row: bool = False,
+            overrides: Mapping[str, ImplSpec] | None = None) -> Ops:
+    """The op table of `backend` ("torch" or "triton"; the flags are the torch backend's), with
+    each op in `overrides` replaced (a registered name, "module:function" or a callable)."""
+    table: dict[str, Callable[..., Any]] = {op: IMPLEMENTATIONS[op][name]
+                                            for op, name in backend_impls(backend, batch_invariant,
+                                                                          decode_per_row).items()}
+    table.update(check_overrides(overrides or {}))
+    return Ops(**table)
 
 
 def torch_ops(batch_invariant: bool = True, decode_per_row: bool = False) -> Ops:
-    """Torch implementations. Decode rows multiply W in 4-row tiles (`linear_row_invariant`), or
-    one row per call with `decode_per_row` (`linear_per_row`); prefill rows in 64-row tiles.
-    `batch_invariant=False` makes the linear layers one plain GEMM call per batch (a negative
-    control for the invariance tests, and a speed baseline)."""
-    decode_linear = linear_per_row if decode_per_row else linear_row_invariant
-    return Ops(
-        embedding=embedding_ref,
-        rms_norm=rms_norm_ref,
-        rope_write_kv=rope_write_kv_ref,
-        prefill_attention=prefill_attention_fused,
-        decode_attention=decode_attention_fused,
-        silu_and_mul=silu_and_mul_ref,
-        linear=decode_linear if batch_invariant else linear_ref,
-        prefill_linear=prefill_linear_row_invariant if batch_invariant else linear_ref,
-        sample=sample_ref,
-        conv1d_prefill=causal_conv1d_prefill_ref,
-        conv1d_decode=causal_conv1d_decode_ref,
-        gated_delta_prefill=gated_delta_prefill_ref,
-        gated_delta_decode=gated_delta_decode_ref,
-        rms_norm_gated=rms_norm_gated_ref,
-    )
+    """The torch backend's table (see `backend_impls`)."""
+    return get_ops("torch", batch_invariant, decode_per_row)
 
 
 def triton_ops() -> Ops:
-    """Every op with a Triton kernel uses it (compiled on CUDA, interpreted on CPU). The kernels
-    are batch invariant by construction (fixed tiles, no split-K, fixed split size), so this table
-    has no padding switch. The embedding stays a gather: it does no arithmetic."""
-    from .activation import silu_and_mul_triton
-    from .attention import decode_attention_triton, prefill_attention_triton
-    from .conv1d import causal_conv1d_decode_triton, causal_conv1d_prefill_triton
-    from .gated_delta import gated_delta_decode_triton, gated_delta_prefill_triton
-    from .kv_write import rope_write_kv_triton
-    from .linear import linear_triton
-    from .rmsnorm import rms_norm_gated_triton, rms_norm_triton
-    from .sampling import sample_triton
-
-    return Ops(
-        embedding=embedding_ref,
-        rms_norm=rms_norm_triton,
-        rope_write_kv=rope_write_kv_triton,
-        prefill_attention=prefill_attention_triton,
-        decode_attention=decode_attention_triton,
-        silu_and_mul=silu_and_mul_triton,
-        linear=linear_triton,
-        prefill_linear=linear_triton,
-        sample=sample_triton,
-        conv1d_prefill=causal_conv1d_prefill_triton,
-        conv1d_decode=causal_conv1d_decode_triton,
-        gated_delta_prefill=gated_delta_prefill_triton,
-        gated_delta_decode=gated_delta_decode_triton,
-        rms_norm_gated=rms_norm_gated_triton,
-    )
-
-
-def get_ops(backend: str, batch_invariant: bool = True, decode_per_row: bool = False) -> Ops:
-    """The op table of `backend` ("torch" or "triton"); the flags are the torch backend's."""
-    if backend == "torch":
-        return torch_ops(batch_invariant, decode_per_row)
-    if backend == "triton":
-        return triton_ops()
-    raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+    """The Triton backend's table (see `backend_impls`)."""
+    return get_ops("triton")

@@ -15,6 +15,7 @@ the model's own weights when an engine starts, and the tests re-measure it.
 """
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,12 @@ PREFILL_ROW_TILE = 64
 # Alignment of the staged input's rows and of loaded weights, in bytes: every tile and every weight
 # starts on the same alignment (the probe checks the weights).
 ALIGN_BYTES = 64
+
+
+class Linear(Protocol):
+    """x [M, K], weight [N, K], bias [N] or None -> [M, N]. The same signature serves `prefill_linear`."""
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,11 +116,6 @@ def linear_per_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
             out[i:i + 1, start:start + block.shape[0]] = product(staged[i:i + 1], block)
     return out if bias is None else out + bias
 
-
-def prefill_linear_row_invariant(x: torch.Tensor, weight: torch.Tensor,
-                                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """linear_row_invariant in PREFILL_ROW_TILE-row tiles, for the token rows of a prefill."""
-    return linear_row_invariant(x, weight, bias, PREFILL_ROW_TILE)
 
 
 # -- Triton ------------------------------------------------------------------------------------------

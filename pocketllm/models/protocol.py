@@ -12,11 +12,13 @@ import torch
 
 from ..cache import LayerCacheSpec, SlotCache
 from ..config import ModelConfig
+from ..kernels import Ops
 from .batch import ForwardBatch
 
 
 class Model(Protocol):
     cfg: ModelConfig
+    ops: Ops  # the engine's one op table: every op the model and the sampler run
 
     @property
     def dtype(self) -> torch.dtype:

@@ -6,112 +6,18 @@ from __future__ import annotations
 
 import random
 import threading
-from dataclasses import dataclass
 
 import pytest
+from conftest import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import budget
-
 from pocketllm import LLM, EngineArgs, SamplingParams
+from pocketllm.lab.engine import MAX_SEQ_LEN, Engines, Job, mismatches
+from pocketllm.lab.engine import workloads as workloads_of
 
-MAX_SEQ_LEN = 96
 VOCAB = 256  # the tiny preset
-
-
-@dataclass(frozen=True)
-class Job:
-    prompt: tuple[int, ...]
-    params: SamplingParams
-    arrival_step: int
-    cancel_step: int | None  # steps after arrival; None: never cancelled
-
-
-sampling_params = st.builds(
-    SamplingParams,
-    max_tokens=st.integers(1, 24),
-    temperature=st.sampled_from([0.0, 0.0, 0.5, 1.0, 1.7]),
-    top_k=st.sampled_from([0, 0, 1, 5, 40]),
-    top_p=st.sampled_from([1.0, 1.0, 0.9, 0.5]),
-    seed=st.integers(0, 2**64 - 1),
-    ignore_eos=st.booleans(),
-)
-jobs = st.builds(
-    Job,
-    prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=64).map(tuple),
-    params=sampling_params,
-    arrival_step=st.integers(0, 12),
-    cancel_step=st.none() | st.integers(0, 10),
-)
-workloads = st.tuples(st.lists(jobs, min_size=1, max_size=12), st.integers(1, 8))
-
-
-class Engines:
-    """One serial engine and one batched engine per max_batch_size, built once per module."""
-
-    def __init__(self, path, batch_invariant: bool = True, max_seq_len: int = MAX_SEQ_LEN, **options) -> None:
-        self.path = path
-        self.options = {"batch_invariant": batch_invariant, **options}
-        self.max_seq_len = max_seq_len
-        self.serial = LLM(EngineArgs(model=str(path), max_seq_len=max_seq_len, backend_options=self.options))
-        self.batched: dict[int, LLM] = {}
-        self.serial_cache: dict[tuple, tuple[list[int], list[float]]] = {}
-
-    def scheduler(self, max_batch_size: int):
-        if max_batch_size not in self.batched:
-            options = {**self.options, "enable_batching": True, "max_batch_size": max_batch_size,
-                       "background_thread": False}
-            self.batched[max_batch_size] = LLM(EngineArgs(model=str(self.path), max_seq_len=self.max_seq_len,
-                                                          backend_options=options))
-        return self.batched[max_batch_size].scheduler
-
-    def serial_output(self, job: Job) -> tuple[list[int], list[float]]:
-        key = (job.prompt, job.params)
-        if key not in self.serial_cache:
-            result = self.serial.generate(prompt_tokens=list(job.prompt), sampling_params=job.params)
-            assert result.finish_reason in ("stop", "length"), result.error
-            self.serial_cache[key] = (result.token_ids, result.logprobs)
-        return self.serial_cache[key]
-
-    def close(self) -> None:
-        for llm in self.batched.values():
-            llm.close()
-
-
-def run_batched(engines: Engines, workload: list[Job], max_batch_size: int) -> dict[int, object]:
-    """Drive the scheduler step by step: submit each job at its arrival step, cancel it when due."""
-    scheduler = engines.scheduler(max_batch_size)
-    ids: dict[int, int] = {}
-    step = 0
-    while len(ids) < len(workload) or scheduler.has_work:
-        for index, job in enumerate(workload):
-            if job.arrival_step == step:
-                ids[index] = scheduler.submit_request(list(job.prompt), job.params)
-            if index in ids and job.cancel_step is not None and job.arrival_step + job.cancel_step == step:
-                scheduler.cancel_request(ids[index])
-        scheduler.step()
-        step += 1
-    results = {index: scheduler.poll_result(request_id) for index, request_id in ids.items()}
-    assert all(r is not None for r in results.values())
-    assert engines.batched[max_batch_size].cache.num_free == max_batch_size
-    return results
-
-
-def mismatches(engines: Engines, workload: list[Job], max_batch_size: int) -> list[str]:
-    """Differences between batched and serial outputs; a cancelled request's partial output must
-    be a prefix of its serial output."""
-    found = []
-    for index, result in run_batched(engines, workload, max_batch_size).items():
-        tokens, logprobs = engines.serial_output(workload[index])
-        if result.finish_reason == "cancelled":
-            n = len(result.token_ids)
-            same = result.token_ids == tokens[:n] and result.logprobs == logprobs[:n]
-        else:
-            same = result.token_ids == tokens and result.logprobs == logprobs
-        if not same:
-            found.append(f"job {index}: batched {result.token_ids} {result.logprobs} != serial {tokens} {logprobs}")
-    return found
+workloads = workloads_of(VOCAB)
 
 
 # (checkpoint variant, backend options): both decode strategies of the torch backend's linear layers.

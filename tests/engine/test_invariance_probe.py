@@ -12,7 +12,8 @@ import torch.nn.functional as F
 import pocketllm.llm
 from pocketllm import LLM, EngineArgs
 from pocketllm.kernels import torch_ops
-from pocketllm.kernels.linear import linear_ref, linear_row_invariant, prefill_linear_row_invariant
+from pocketllm.kernels.linear import linear_ref, linear_row_invariant
+from pocketllm.kernels.prefill_linear import prefill_linear_row_invariant
 from pocketllm.kernels.probe import probe_row_invariance
 
 
@@ -20,8 +21,8 @@ from pocketllm.kernels.probe import probe_row_invariance
 def test_engine_probes_every_weight_shape_and_reports_invariant(checkpoint_dir, variant):
     llm = LLM(EngineArgs(model=str(checkpoint_dir(variant)), max_seq_len=64))
     report = llm.invariance_report
-    assert llm.ops.linear is linear_row_invariant, "the probe must test the linears the engine runs"
-    assert llm.ops.prefill_linear is prefill_linear_row_invariant
+    assert llm.model.ops.linear is linear_row_invariant, "the probe must test the linears the engine runs"
+    assert llm.model.ops.prefill_linear is prefill_linear_row_invariant
     *body, lm_head = llm.model.linear_weights()
     assert {f"linear {k}->{n}" for n, k in {tuple(w.shape) for w in [*body, lm_head]}} <= set(report.checks)
     assert {f"prefill_linear {k}->{n}" for n, k in {tuple(w.shape) for w in body}} <= set(report.checks)

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sampling_oracle import draw
 
 from pocketllm import LLM, EngineArgs, SamplingParams, write_checkpoint
-from sampling_oracle import draw
 
 transformers = pytest.importorskip("transformers")
 

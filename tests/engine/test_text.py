@@ -8,9 +8,9 @@ import re
 import sys
 
 import pytest
-from hypothesis import given, settings, strategies as st
-
 from conftest import budget
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from pocketllm import LLM, EngineArgs, SamplingParams, write_checkpoint

@@ -6,15 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kernel_tolerances import assert_close
 
-from pocketllm.kernels.attention import (
-    decode_attention_fused,
-    decode_attention_ref,
-    prefill_attention_fused,
-    prefill_attention_ref,
-)
+from pocketllm.kernels.decode_attention import decode_attention_fused, decode_attention_ref
+from pocketllm.kernels.prefill_attention import prefill_attention_fused, prefill_attention_ref
 
 # (num_heads, num_kv_heads, head_dim): GQA ratios 1, 2, 4, 8; odd head dims; the Qwen3-0.6B and
 # Qwen3.5-0.8B attention shapes last.

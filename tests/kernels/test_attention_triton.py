@@ -1,4 +1,4 @@
-"""The Triton attention kernels (pocketllm/kernels/attention.py) against their torch references,
+"""The Triton attention kernels (pocketllm/kernels/prefill_attention.py, decode_attention.py) against their torch references,
 and their invariance contract, checked bitwise: a sequence's output does not depend on the batch
 around it, on its slot, or (prefill) on how its prompt was cut into pieces.
 
@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from conftest import budget
-
 from kernel_tolerances import assert_close
-from pocketllm.kernels.attention import (DECODE_BLOCK_N, decode_attention_ref, decode_attention_triton,
-                                         prefill_attention_ref, prefill_attention_triton)
+
+from pocketllm.kernels.decode_attention import DECODE_BLOCK_N, decode_attention_ref, decode_attention_triton
+from pocketllm.kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
 
 DTYPES = [torch.float32, torch.float16]
 LENGTHS = (1, 2, 17, 63, 64, 65, 130)

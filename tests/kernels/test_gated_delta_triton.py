@@ -1,4 +1,4 @@
-"""The Triton gated delta rule kernels (pocketllm/kernels/gated_delta.py) against their torch
+"""The Triton gated delta rule kernels (pocketllm/kernels/gated_delta_prefill.py, gated_delta_decode.py) against their torch
 references, and their invariance contract, checked bitwise: a sequence's outputs and final state do
 not depend on the batch around it, nor (prefill) on a prompt being cut at a multiple of CHUNK_SIZE.
 
@@ -9,14 +9,14 @@ tests repeat the comparisons in bf16 at Qwen3.5 sizes (Hk 16, Hv 32, Dk = Dv = 1
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from conftest import budget
-
 from kernel_tolerances import assert_close
-from pocketllm.kernels.gated_delta import (CHUNK_SIZE, gated_delta_decode_ref, gated_delta_decode_triton,
-                                           gated_delta_prefill_ref, gated_delta_prefill_triton)
+
+from pocketllm.kernels._gated_delta import CHUNK_SIZE
+from pocketllm.kernels.gated_delta_decode import gated_delta_decode_ref, gated_delta_decode_triton
+from pocketllm.kernels.gated_delta_prefill import gated_delta_prefill_ref, gated_delta_prefill_triton
 
 # Sequence lengths / start positions of one prefill call: lengths 1..130, starts off the chunk grid.
 LENGTHS = [1, 2, 17, 63, 64, 65, 130]

@@ -11,16 +11,15 @@ SiLU's exp; they are compared within the dtype's tolerance. CPU runs use the Tri
 
 import pytest
 import torch
+from conftest import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from conftest import budget
-
 from kernel_tolerances import assert_close
+
 from pocketllm.kernels._triton import INTERPRETED
-from pocketllm.kernels.conv1d import (causal_conv1d_decode_ref, causal_conv1d_decode_triton,
-                                      causal_conv1d_prefill_ref, causal_conv1d_prefill_triton)
-from pocketllm.kernels.rmsnorm import rms_norm_gated_ref, rms_norm_gated_triton
+from pocketllm.kernels.conv1d_decode import conv1d_decode_ref, conv1d_decode_triton
+from pocketllm.kernels.conv1d_prefill import conv1d_prefill_ref, conv1d_prefill_triton
+from pocketllm.kernels.rms_norm_gated import rms_norm_gated_ref, rms_norm_gated_triton
 
 # The fp32/fp16 tests run on CPU tensors under the interpreter; with a GPU (interpreter off) on CUDA.
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -55,8 +54,8 @@ def _conv_inputs(tokens: int, channels: int, kernel: int, dtype: torch.dtype, se
 def _prefill_both(x, weight, states, slots, cu):
     """(output, states after) of the kernel and of the reference, each on its own state copy."""
     kernel_states, ref_states = states.clone(), states.clone()
-    out = causal_conv1d_prefill_triton(x, weight, kernel_states, slots, cu)
-    ref = causal_conv1d_prefill_ref(x, weight, ref_states, slots, cu)
+    out = conv1d_prefill_triton(x, weight, kernel_states, slots, cu)
+    ref = conv1d_prefill_ref(x, weight, ref_states, slots, cu)
     return (out, kernel_states), (ref, ref_states)
 
 
@@ -100,8 +99,8 @@ def test_conv_decode_matches_reference(kernel: int, dtype: torch.dtype):
     x, weight, states = _conv_inputs(5, 37, kernel, dtype, seed=kernel)
     slots = torch.tensor([6, 0, 2, 7, 4], device=DEVICE)
     kernel_states, ref_states = states.clone(), states.clone()
-    out = causal_conv1d_decode_triton(x, weight, kernel_states, slots)
-    ref = causal_conv1d_decode_ref(x, weight, ref_states, slots)
+    out = conv1d_decode_triton(x, weight, kernel_states, slots)
+    ref = conv1d_decode_ref(x, weight, ref_states, slots)
     assert out.shape == x.shape and out.dtype == dtype
     assert_close(out, ref)
     assert torch.equal(kernel_states, ref_states)
@@ -114,9 +113,9 @@ def test_conv_decode_row_alone_equals_row_in_batch(dtype: torch.dtype):
     x, weight, states = _conv_inputs(5, 37, 4, dtype, seed=9)
     slots = torch.tensor([6, 0, 2, 7, 4], device=DEVICE)
     batch_states, alone_states = states.clone(), states.clone()
-    batch = causal_conv1d_decode_triton(x, weight, batch_states, slots)
+    batch = conv1d_decode_triton(x, weight, batch_states, slots)
     for i in range(5):
-        alone = causal_conv1d_decode_triton(x[i:i + 1], weight, alone_states, slots[i:i + 1])
+        alone = conv1d_decode_triton(x[i:i + 1], weight, alone_states, slots[i:i + 1])
         assert torch.equal(alone[0], batch[i]), i
     assert torch.equal(alone_states, batch_states)
 
@@ -125,7 +124,7 @@ def test_conv_rejects_unsupported_width():
     """K = 5 (beyond the unrolled state columns) is refused rather than computed wrongly."""
     x, weight, states = _conv_inputs(3, 8, 5, torch.float32, seed=1)
     with pytest.raises(ValueError):
-        causal_conv1d_prefill_triton(x, weight, states, torch.tensor([1], device=DEVICE), _cu([3]))
+        conv1d_prefill_triton(x, weight, states, torch.tensor([1], device=DEVICE), _cu([3]))
 
 
 # -- conv1d: invariance (bitwise) --------------------------------------------------------------------
@@ -138,11 +137,11 @@ def _check_alone_equals_batch(lens: list[int], slot_list: list[int], channels: i
     x, weight, states = _conv_inputs(sum(lens), channels, 4, dtype, seed, device)
     cu = _cu(lens, device)
     batch_states = states.clone()
-    batch = causal_conv1d_prefill_triton(x, weight, batch_states, torch.tensor(slot_list, device=device), cu)
+    batch = conv1d_prefill_triton(x, weight, batch_states, torch.tensor(slot_list, device=device), cu)
     alone_states = states.clone()
     for i, slot in enumerate(slot_list):
         lo, hi = int(cu[i]), int(cu[i + 1])
-        alone = causal_conv1d_prefill_triton(x[lo:hi], weight, alone_states, torch.tensor([slot], device=device),
+        alone = conv1d_prefill_triton(x[lo:hi], weight, alone_states, torch.tensor([slot], device=device),
                                              _cu([hi - lo], device))
         assert torch.equal(alone, batch[lo:hi]), i
     assert torch.equal(alone_states, batch_states)
@@ -173,13 +172,13 @@ def test_conv_prefill_split_invariance(case):
     x, weight, states = _conv_inputs(length + other, 37, kernel, torch.float32, seed=length * 10 + kernel)
     prompt, extra = x[:length], x[length:]
     whole_states = states.clone()
-    whole = causal_conv1d_prefill_triton(prompt, weight, whole_states, torch.tensor([2], device=DEVICE),
+    whole = conv1d_prefill_triton(prompt, weight, whole_states, torch.tensor([2], device=DEVICE),
                                          _cu([length]))
     piece_states = states.clone()
     pieces = []
     for lo, hi in zip([0] + cuts, cuts + [length]):
         batch_x = torch.cat([extra, prompt[lo:hi]])
-        out = causal_conv1d_prefill_triton(batch_x, weight, piece_states, torch.tensor([5, 2], device=DEVICE),
+        out = conv1d_prefill_triton(batch_x, weight, piece_states, torch.tensor([5, 2], device=DEVICE),
                                            _cu([other, hi - lo]))
         pieces.append(out[other:])
     assert torch.equal(torch.cat(pieces), whole)
@@ -197,18 +196,18 @@ def _check_decode_continues_prefill(lens: list[int], slot_list: list[int], chann
     slots = torch.tensor(slot_list, device=device)
     cu = _cu(lens, device)
     decode_states = states.clone()
-    causal_conv1d_prefill_triton(prompts, weight, decode_states, slots, cu)
+    conv1d_prefill_triton(prompts, weight, decode_states, slots, cu)
     decoded = []
     for step in range(steps):
         prefill_states = decode_states.clone()
-        as_prefill = causal_conv1d_prefill_triton(new[step], weight, prefill_states, slots, _cu([1] * batch, device))
-        out = causal_conv1d_decode_triton(new[step], weight, decode_states, slots)
+        as_prefill = conv1d_prefill_triton(new[step], weight, prefill_states, slots, _cu([1] * batch, device))
+        out = conv1d_decode_triton(new[step], weight, decode_states, slots)
         assert torch.equal(out, as_prefill) and torch.equal(decode_states, prefill_states), step
         decoded.append(out)
     # One prefill of each prompt followed by its decoded tokens.
     extended = torch.cat([torch.cat([prompts[int(cu[i]):int(cu[i + 1])], new[:, i]]) for i in range(batch)])
     full_states = states.clone()
-    full = causal_conv1d_prefill_triton(extended, weight, full_states, slots, _cu([n + steps for n in lens], device))
+    full = conv1d_prefill_triton(extended, weight, full_states, slots, _cu([n + steps for n in lens], device))
     for i in range(batch):
         end = int(cu[i + 1]) + (i + 1) * steps
         assert torch.equal(full[end - steps:end], torch.stack([d[i] for d in decoded])), i
@@ -303,8 +302,8 @@ def test_gpu_conv_invariance():
     x, weight, states = _conv_inputs(4096, GPU_CHANNELS, 4, torch.bfloat16, seed=33, device="cuda")
     slot = torch.tensor([2], device="cuda")
     whole_states, piece_states = states.clone(), states.clone()
-    whole = causal_conv1d_prefill_triton(x, weight, whole_states, slot, _cu([4096], "cuda"))
-    pieces = [causal_conv1d_prefill_triton(x[lo:hi], weight, piece_states, slot, _cu([hi - lo], "cuda"))
+    whole = conv1d_prefill_triton(x, weight, whole_states, slot, _cu([4096], "cuda"))
+    pieces = [conv1d_prefill_triton(x[lo:hi], weight, piece_states, slot, _cu([hi - lo], "cuda"))
               for lo, hi in ((0, 1000), (1000, 3001), (3001, 4096))]
     assert torch.equal(torch.cat(pieces), whole) and torch.equal(piece_states, whole_states)
 
@@ -318,8 +317,8 @@ def test_gpu_conv_decode_matches_reference():
     states = _randn(128, GPU_CHANNELS, 3, seed=43, dtype=torch.bfloat16, device="cuda")
     slots = torch.randperm(128, generator=torch.Generator().manual_seed(44))[:64].cuda()
     kernel_states, ref_states = states.clone(), states.clone()
-    assert_close(causal_conv1d_decode_triton(x, weight, kernel_states, slots),
-                 causal_conv1d_decode_ref(x, weight, ref_states, slots))
+    assert_close(conv1d_decode_triton(x, weight, kernel_states, slots),
+                 conv1d_decode_ref(x, weight, ref_states, slots))
     assert torch.equal(kernel_states, ref_states)
 
 

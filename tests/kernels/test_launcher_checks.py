@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from pocketllm.cache import AttentionCacheSpec, SlotCache, SlotCacheError
-from pocketllm.kernels.attention import decode_attention_triton, prefill_attention_triton
-from pocketllm.kernels.gated_delta import gated_delta_decode_triton, gated_delta_prefill_triton
+from pocketllm.kernels.decode_attention import decode_attention_triton
+from pocketllm.kernels.gated_delta_decode import gated_delta_decode_triton
+from pocketllm.kernels.gated_delta_prefill import gated_delta_prefill_triton
+from pocketllm.kernels.prefill_attention import prefill_attention_triton
 
 pytest.importorskip("triton")
 

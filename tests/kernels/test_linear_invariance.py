@@ -16,8 +16,8 @@ from pocketllm.kernels.linear import (
     PREFILL_ROW_TILE,
     linear_per_row,
     linear_row_invariant,
-    prefill_linear_row_invariant,
 )
+from pocketllm.kernels.prefill_linear import prefill_linear_row_invariant
 
 LINEARS = {DECODE_ROW_TILE: linear_row_invariant, PREFILL_ROW_TILE: prefill_linear_row_invariant}
 

@@ -3,17 +3,15 @@ fp16 under the interpreter, bf16 at model sizes on CUDA) and bitwise row invaria
 
 import pytest
 import torch
+from conftest import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from conftest import budget
+from kernel_tolerances import assert_close
 
 from pocketllm.kernels._triton import INTERPRETED
-from pocketllm.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from pocketllm.kernels.linear import TILES, linear_ref, linear_triton
-from pocketllm.kernels.rmsnorm import rms_norm_ref, rms_norm_triton
-
-from kernel_tolerances import assert_close
+from pocketllm.kernels.rms_norm import rms_norm_ref, rms_norm_triton
+from pocketllm.kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
 
 ROW_COUNTS = (1, 2, 17, 63, 64, 65, 130)
 # (K, N, with bias): K not a multiple of BLOCK_K, N odd, and one shape of whole tiles.

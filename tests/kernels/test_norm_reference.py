@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pocketllm.kernels.rmsnorm import rms_norm_gated_ref
+from pocketllm.kernels.rms_norm_gated import rms_norm_gated_ref
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -11,13 +11,14 @@ import math
 import pytest
 import torch
 
-from pocketllm.kernels.activation import silu_and_mul_ref
-from pocketllm.kernels.attention import decode_attention_ref, prefill_attention_ref
+from pocketllm.kernels.decode_attention import decode_attention_ref
 from pocketllm.kernels.embedding import embedding_ref
-from pocketllm.kernels.kv_write import rope_write_kv_ref, write_kv_ref
 from pocketllm.kernels.linear import linear_ref, linear_row_invariant
-from pocketllm.kernels.rmsnorm import rms_norm_ref
+from pocketllm.kernels.prefill_attention import prefill_attention_ref
+from pocketllm.kernels.rms_norm import rms_norm_ref
 from pocketllm.kernels.rope import apply_rope_ref, rope_table
+from pocketllm.kernels.rope_write_kv import rope_write_kv_ref, write_kv_ref
+from pocketllm.kernels.silu_and_mul import silu_and_mul_ref
 
 # Tolerances of each op against its float64 reference, per input dtype.
 TOL = {

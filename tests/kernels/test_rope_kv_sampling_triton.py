@@ -1,5 +1,5 @@
-"""The Triton rope + KV-write kernel (pocketllm/kernels/kv_write.py) and sampling kernel
-(pocketllm/kernels/sampling.py) against their torch references, and their invariance contract,
+"""The Triton rope + KV-write kernel (pocketllm/kernels/rope_write_kv.py) and sampling kernel
+(pocketllm/kernels/sample.py) against their torch references, and their invariance contract,
 checked bitwise: a token's or a row's result does not depend on the batch around it.
 
 CPU runs use the Triton interpreter (fp32, fp16; small grids to stay fast); the `gpu` tests repeat
@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import budget
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-
-from conftest import budget
-
 from kernel_tolerances import assert_close
-from pocketllm.kernels.kv_write import rope_write_kv_ref, rope_write_kv_triton
+
 from pocketllm.kernels.rope import apply_rope_ref, rope_table
-from pocketllm.kernels.sampling import _launch_sample, allowed_mask, sample_ref, sample_triton, uniform_noise
+from pocketllm.kernels.rope_write_kv import rope_write_kv_ref, rope_write_kv_triton
+from pocketllm.kernels.sample import _launch_sample, allowed_mask, sample_ref, sample_triton, uniform_noise
 
 BAND = 1e-4  # top-p: cumulative masses this close to top_p are rounding-dependent
 GAP = 1e-5  # noisy scores this close are rounding-dependent

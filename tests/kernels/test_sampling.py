@@ -1,4 +1,4 @@
-"""The sampler (pocketllm/kernels/sampling.py): counter-based noise, greedy / temperature / top-k /
+"""The sampler (pocketllm/kernels/sample.py): counter-based noise, greedy / temperature / top-k /
 top-p selection, logprobs and row invariance, checked against references written here."""
 
 from __future__ import annotations
@@ -8,12 +8,11 @@ import random
 
 import pytest
 import torch
+from conftest import budget
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from conftest import budget
-
-from pocketllm.kernels.sampling import allowed_mask, mix32, sample_ref, uniform_noise
+from pocketllm.kernels.sample import allowed_mask, mix32, sample_ref, uniform_noise
 
 MASK32 = 2**32 - 1
 

@@ -22,13 +22,13 @@ from fractions import Fraction
 
 import pytest
 import torch
+from conftest import budget
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-
-from conftest import budget
-from pocketllm.kernels.sampling import _launch_sample, allowed_mask, sample_ref
-from pocketllm.sampling import MIN_TEMPERATURE, SamplingParams
 from sampling_oracle import uniforms
+
+from pocketllm.kernels.sample import _launch_sample, allowed_mask, sample_ref
+from pocketllm.sampling import MIN_TEMPERATURE, SamplingParams
 
 MAX_EXPONENT = 8
 LOG_HALF = [float(torch.tensor(-e * math.log(2.0), dtype=torch.float32)) for e in range(MAX_EXPONENT + 1)]

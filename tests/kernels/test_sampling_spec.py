@@ -9,9 +9,9 @@ schedule changes some entries even where the statistics of the noise would not n
 from __future__ import annotations
 
 import torch
-
-from pocketllm.kernels.sampling import allowed_mask, sample_ref, sample_triton, uniform_noise
 from sampling_oracle import MASK32, MAX_UNIFORM, POSITION_SALT, draw, mix, uniforms
+
+from pocketllm.kernels.sample import allowed_mask, sample_ref, sample_triton, uniform_noise
 
 # Seeds with either 32-bit half zero or all ones, positions at 0 and at the int32 edge.
 CASES = [(0, 0), (1, 7), (2**32, 3), (2**63 + 5, 2**31 - 1), (2**64 - 1, 123456), (0xDEADBEEF12345678, 2**31)]

@@ -21,9 +21,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pocketllm.kernels.attention import prefill_attention_triton
-from pocketllm.kernels.conv1d import causal_conv1d_prefill_ref, causal_conv1d_prefill_triton
-from pocketllm.kernels.gated_delta import CHUNK_SIZE, gated_delta_prefill_ref, gated_delta_prefill_triton
+from pocketllm.kernels._gated_delta import CHUNK_SIZE
+from pocketllm.kernels.conv1d_prefill import conv1d_prefill_ref, conv1d_prefill_triton
+from pocketllm.kernels.gated_delta_prefill import gated_delta_prefill_ref, gated_delta_prefill_triton
+from pocketllm.kernels.prefill_attention import prefill_attention_triton
 
 SLOT, OTHER_SLOT, OTHER_LEN = 1, 2, 5
 
@@ -136,7 +137,7 @@ def _conv_call(fn):
     return call
 
 
-@pytest.mark.parametrize("fn", [causal_conv1d_prefill_ref, causal_conv1d_prefill_triton], ids=["ref", "triton"])
+@pytest.mark.parametrize("fn", [conv1d_prefill_ref, conv1d_prefill_triton], ids=["ref", "triton"])
 @pytest.mark.parametrize("start,length,cuts", CONV_SPLITS)
 def test_conv1d_prefill_split_invariance(fn, start, length, cuts):
     """Any cut after a slot that already holds a window of inputs: bitwise outputs and state."""

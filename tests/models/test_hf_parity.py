@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import CHECKPOINT_VARIANTS
+
 from pocketllm import LLM, EngineArgs, SamplingParams
 from pocketllm.models import ForwardBatch
 

@@ -9,7 +9,6 @@ by event against what the scheduler was asked to do.
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from pocketllm import LLM, EngineArgs, SamplingParams

@@ -7,10 +7,21 @@ bytes every later step will read too.
 writes k and v into the cache, in one launch.
 """
 
+from typing import Protocol
+
 import torch
 
 from ._triton import kernel_device_ok, tl, triton
 from .rope import apply_rope_ref
+
+
+class RopeWriteKv(Protocol):
+    """q [T, Hq, D], k/v [T, Hkv, D], positions/token_slots [T], cos/sin [max_positions, rotary
+    dim], caches [slots, max_seq_len, Hkv, D] (written in place) -> rotated q [T, Hq, D]."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 token_slots: torch.Tensor) -> torch.Tensor: ...
 
 
 def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -1,39 +1,29 @@
-"""The gated delta rule of Gated DeltaNet layers, over slotted fp32 recurrent states.
+"""Op `gated_delta_prefill`: the gated delta rule over varlen prompts, in chunked (UT-transform)
+form.
 
-Per value head, with state S [Dk, Dv], for each token (q, k L2-normalised; q scaled by Dk^-1/2):
-    S <- exp(g) * S;   S <- S + k (beta (v - S^T k))^T;   out = S^T q
-- `gated_delta_decode_ref`: one token per sequence, exactly the recurrence above.
-- `gated_delta_prefill_ref`: the chunked (UT-transform) form. Chunks are CHUNK_SIZE positions
-  aligned to absolute positions and always computed at full size (padded with inert tokens), so a
-  sequence's outputs and final state do not depend on the batch, and a prompt split at a chunk
-  boundary gives bitwise the same result as in one piece.
-Value heads outnumber key heads in groups: value head h reads key head h // (Hv / Hk).
-
-`gated_delta_decode_triton` / `gated_delta_prefill_triton` are the Triton kernels (one program per
-sequence, value head and block of value columns; the prefill walks the same absolute-aligned
-full-size chunks as the reference, its UT transform solved by forward substitution in registers).
+Chunks are CHUNK_SIZE positions aligned to absolute positions and always computed at full size
+(padded with inert tokens), so a sequence's outputs and final state do not depend on the batch,
+and a prompt split at a chunk boundary gives bitwise the same result as in one piece.
+`gated_delta_prefill_triton` walks the same chunks, one program per sequence, value head and block
+of value columns, its UT transform solved by forward substitution in registers.
 """
+
+from typing import Protocol
 
 import torch
 
+from ._gated_delta import CHUNK_SIZE, _check_gated_delta_args, _load_unit_rows, _prepare
 from ._triton import kernel_device_ok, tl, triton
-from .checks import check_dtype, check_groups, check_shape
-from .pointwise import elementwise_invariant
-
-CHUNK_SIZE = 64
+from .checks import check_shape
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+class GatedDeltaPrefill(Protocol):
+    """q/k [T, Hk, Dk], v [T, Hv, Dv], g (log decay)/beta [T, Hv], states fp32 [slots, Hv, Dk, Dv]
+    (updated in place), slot_ids/start_positions [B], cu_seqlens [B + 1] -> [T, Hv, Dv]."""
 
-
-def _prepare(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, Hk, Dk] -> fp32 [Hv, n, Dk]: L2-normalised (eps 1e-6), q scaled, key heads repeated."""
-    group = num_v_heads // q.shape[1]
-    q = _l2norm(q.float()) * q.shape[-1] ** -0.5
-    k = _l2norm(k.float())
-    return (q.repeat_interleave(group, dim=1).transpose(0, 1).contiguous(),
-            k.repeat_interleave(group, dim=1).transpose(0, 1).contiguous())
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 states: torch.Tensor, slot_ids: torch.Tensor, start_positions: torch.Tensor,
+                 cu_seqlens: torch.Tensor) -> torch.Tensor: ...
 
 
 def _chunk(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -93,114 +83,10 @@ def gated_delta_prefill_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     return out
 
 
-def gated_delta_decode_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                           states: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
-    """One token per sequence: q/k [B, Hk, Dk], v [B, Hv, Dv], g/beta [B, Hv] -> [B, Hv, Dv]; the
-    slots' states advance by one token."""
-    num_v_heads = v.shape[1]
-    group = num_v_heads // q.shape[1]
-    qh = (_l2norm(q.float()) * q.shape[-1] ** -0.5).repeat_interleave(group, dim=1)  # [B, Hv, Dk]
-    kh = _l2norm(k.float()).repeat_interleave(group, dim=1)
-    state = states[slot_ids] * elementwise_invariant(torch.exp, g.float())[..., None, None]  # [B, Hv, Dk, Dv]
-    remembered = (state * kh[..., None]).sum(dim=-2)  # [B, Hv, Dv]
-    delta = (v.float() - remembered) * beta.float()[..., None]
-    state = state + kh[..., None] * delta[..., None, :]
-    states[slot_ids] = state
-    return (state * qh[..., None]).sum(dim=-2).to(v.dtype)
-
-
-# -- Triton ------------------------------------------------------------------------------------------
-
-DECODE_BLOCK_DV = 64  # value columns per decode program (capped by Dv)
 PREFILL_BLOCK_DV = 32  # value columns per prefill program (capped by Dv)
+
+
 PREFILL_NUM_WARPS = 8  # the prefill program holds several [64, Dk] fp32 tiles at once
-
-
-@triton.jit
-def _load_unit_rows(ptr, rows, row_stride, col_stride, row_mask, DK: tl.constexpr, BLOCK_DK: tl.constexpr):
-    """Rows of q or k as fp32 [len(rows), BLOCK_DK], each L2-normalised (eps 1e-6); masked rows and
-    the padding columns are zero."""
-    d = tl.arange(0, BLOCK_DK)
-    mask = row_mask[:, None] & (d < DK)[None, :]
-    x = tl.load(ptr + rows[:, None] * row_stride + d[None, :].to(tl.int64) * col_stride, mask=mask,
-                other=0.0).to(tl.float32)
-    return x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
-
-
-@triton.jit
-def _gated_delta_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, slots_ptr, out_ptr,
-                               q_sb, q_sh, q_sd, k_sb, k_sh, k_sd, v_sb, v_sh, v_sd, g_sb, g_sh, b_sb, b_sh,
-                               s_ss, s_sh, s_sk, s_sv, o_sb, o_sh, o_sd, scale,
-                               GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Program (b, h, j): sequence b, value head h, value columns [j * BLOCK_DV, (j + 1) * BLOCK_DV)."""
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    kh = h // GROUP
-    dk = tl.arange(0, BLOCK_DK)
-    dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    dk_mask = dk < DK
-    dv_mask = dv < DV
-    q = tl.load(q_ptr + b * q_sb + kh * q_sh + dk.to(tl.int64) * q_sd, mask=dk_mask, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + b * k_sb + kh * k_sh + dk.to(tl.int64) * k_sd, mask=dk_mask, other=0.0).to(tl.float32)
-    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    v = tl.load(v_ptr + b * v_sb + h * v_sh + dv.to(tl.int64) * v_sd, mask=dv_mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + b * g_sb + h * g_sh).to(tl.float32)
-    beta = tl.load(beta_ptr + b * b_sb + h * b_sh).to(tl.float32)
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    tile = (states_ptr + slot * s_ss + h * s_sh + dk[:, None].to(tl.int64) * s_sk
-            + dv[None, :].to(tl.int64) * s_sv)
-    mask = dk_mask[:, None] & dv_mask[None, :]
-    state = tl.load(tile, mask=mask, other=0.0) * tl.exp(g)
-    remembered = tl.sum(state * k[:, None], axis=0)
-    delta = (v - remembered) * beta
-    state = state + k[:, None] * delta[None, :]
-    tl.store(tile, state, mask=mask)
-    out = tl.sum(state * q[:, None], axis=0)
-    tl.store(out_ptr + b * o_sb + h * o_sh + dv.to(tl.int64) * o_sd, out.to(out_ptr.dtype.element_ty), mask=dv_mask)
-
-
-def _check_gated_delta_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                            states: torch.Tensor) -> int:
-    """q, k [tokens, key_heads, Dk], v [tokens, value_heads, Dv], g and beta [tokens, value_heads],
-    states fp32 [slots, value_heads, Dk, Dv]; returns the value heads per key head."""
-    check_shape("q", q, (None, None, None))
-    tokens, key_heads, dim_k = q.shape
-    check_shape("k", k, (tokens, key_heads, dim_k))
-    check_shape("v", v, (tokens, None, None))
-    num_v_heads, dim_v = v.shape[1], v.shape[2]
-    check_shape("g", g, (tokens, num_v_heads))
-    check_shape("beta", beta, (tokens, num_v_heads))
-    check_shape("states", states, (None, num_v_heads, dim_k, dim_v))
-    check_dtype(torch.float32, states=states)
-    return check_groups(num_v_heads, key_heads, "value heads", "key heads")
-
-
-def gated_delta_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                              beta: torch.Tensor, states: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
-    """`gated_delta_decode_ref` in one launch: grid (B, Hv, Dv blocks of DECODE_BLOCK_DV).
-
-    Invariant by construction: program (b, h, j) reads only sequence b's token and its slot's
-    [Dk, BLOCK_DV] state tile, and writes only that tile and its outputs; reductions run over Dk
-    within the program, and the tile shape comes from Dk / Dv (model constants), never from B.
-    """
-    kernel_device_ok(q)
-    group = _check_gated_delta_args(q, k, v, g, beta, states)
-    batch, dim_k = q.shape[0], q.shape[2]
-    num_v_heads, dim_v = v.shape[1], v.shape[2]
-    check_shape("slot_ids", slot_ids, (batch,))
-    out = torch.empty((batch, num_v_heads, dim_v), dtype=v.dtype, device=v.device)
-    if batch == 0:
-        return out
-    block_dv = min(triton.next_power_of_2(dim_v), DECODE_BLOCK_DV)
-    grid = (batch, num_v_heads, triton.cdiv(dim_v, block_dv))
-    _gated_delta_decode_kernel[grid](
-        q, k, v, g, beta, states, slot_ids, out, *q.stride(), *k.stride(), *v.stride(), *g.stride(),
-        *beta.stride(), *states.stride(), *out.stride(), dim_k ** -0.5,
-        GROUP=group, DK=dim_k, DV=dim_v, BLOCK_DK=triton.next_power_of_2(dim_k),
-        BLOCK_DV=block_dv)
-    return out
 
 
 @triton.jit
@@ -301,3 +187,4 @@ def gated_delta_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         GROUP=group, DK=dim_k, DV=dim_v, CHUNK=CHUNK_SIZE,
         BLOCK_DK=max(triton.next_power_of_2(dim_k), 16), BLOCK_DV=block_dv, num_warps=PREFILL_NUM_WARPS)
     return out
+

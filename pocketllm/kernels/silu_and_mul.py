@@ -3,11 +3,20 @@
 `silu_and_mul_triton` is the Triton kernel: elementwise, each program one block of one row.
 """
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
 from ._triton import kernel_device_ok, tl, triton
 from .pointwise import elementwise_invariant
+
+
+class SiluAndMul(Protocol):
+    """gate_up [T, 2I] (gate first, then up) -> [T, I]."""
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
 
 BLOCK = 1024
 

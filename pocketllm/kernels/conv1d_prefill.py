@@ -1,29 +1,23 @@
-"""Depthwise causal conv1d with SiLU, over slotted conv states (Gated DeltaNet layers).
+"""Op `conv1d_prefill`: the causal conv1d (+ SiLU) over the tokens of varlen prompts, reading
+each slot's conv state before the first token and leaving the last K - 1 inputs in it."""
 
-Each output is silu(sum_j w[c, j] * x[t - K + 1 + j, c]) with the K taps summed in a fixed
-order in fp32, so a token's output depends only on its own K inputs: the same whichever batch it
-is in and however its prompt was split. The slot's conv state holds the last K - 1 inputs of its
-sequence (zeros for a new request), which precede the first new token.
-"""
+from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
+from ._conv1d import BLOCK_C_STATE, _check_conv_args, _conv_window
 from ._triton import kernel_device_ok, tl, triton
-from .pointwise import elementwise_invariant
 
 
-def _conv_window(window: torch.Tensor, weight: torch.Tensor, steps: int) -> torch.Tensor:
-    """window [steps + K - 1, C] (fp32), weight [C, K] -> silu(conv) [steps, C] fp32."""
-    kernel = weight.shape[1]
-    w = weight.float()
-    acc = window[0:steps] * w[:, 0]
-    for j in range(1, kernel):
-        acc = acc + window[j:j + steps] * w[:, j]
-    return elementwise_invariant(F.silu, acc)
+class Conv1dPrefill(Protocol):
+    """x [T, C] (sequences concatenated), weight [C, K], conv_states [slots, C, K - 1] (updated in
+    place), slot_ids [B], cu_seqlens [B + 1] -> [T, C] in x's dtype."""
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, slot_ids: torch.Tensor,
+                 cu_seqlens: torch.Tensor) -> torch.Tensor: ...
 
 
-def causal_conv1d_prefill_ref(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
+def conv1d_prefill_ref(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
                               slot_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """x [T, C] (sequences concatenated), weight [C, K], conv_states [slots, C, K - 1] (updated in
     place to each sequence's last K - 1 inputs) -> [T, C] in x's dtype."""
@@ -37,23 +31,10 @@ def causal_conv1d_prefill_ref(x: torch.Tensor, weight: torch.Tensor, conv_states
     return out
 
 
-def causal_conv1d_decode_ref(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
-                             slot_ids: torch.Tensor) -> torch.Tensor:
-    """One new input per sequence: x [B, C] -> [B, C]; the slots' states shift by one."""
-    windows = torch.cat([conv_states[slot_ids].float(), x.float()[:, :, None]], dim=-1)  # [B, C, K]
-    w = weight.float()
-    acc = windows[:, :, 0] * w[:, 0]
-    for j in range(1, weight.shape[1]):
-        acc = acc + windows[:, :, j] * w[:, j]
-    conv_states[slot_ids] = windows[:, :, 1:].to(conv_states.dtype)
-    return elementwise_invariant(F.silu, acc).to(x.dtype)
-
-
-# -- Triton ------------------------------------------------------------------------------------------
-
 BLOCK_T = 16  # prefill tokens per program
+
+
 BLOCK_C = 128  # channels per program (prefill tile [BLOCK_T, BLOCK_C])
-BLOCK_C_STATE = 256  # channels per program of the state-update and decode kernels
 
 
 @triton.jit
@@ -131,21 +112,9 @@ def _conv_state_kernel(x_ptr, state_ptr, slots_ptr, cu_ptr, C, x_st, x_sc, s_ss,
         tl.store(dst + 2 * s_sk, v2.to(state_ptr.dtype.element_ty), mask=c_ok)
 
 
-def _check_conv_args(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor) -> int:
-    """The kernel width K, after checking the shapes agree."""
-    channels, kernel = weight.shape
-    if not 2 <= kernel <= 4:
-        raise ValueError(f"kernel width {kernel} unsupported (2..4)")
-    if x.dim() != 2 or x.shape[1] != channels or conv_states.dim() != 3 or \
-            conv_states.shape[1:] != (channels, kernel - 1):
-        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, conv_states "
-                         f"{tuple(conv_states.shape)}: need [T, C], [C, K], [slots, C, K - 1]")
-    return kernel
-
-
-def causal_conv1d_prefill_triton(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
+def conv1d_prefill_triton(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
                                  slot_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """`causal_conv1d_prefill_ref` in two launches: x [T, C] (any strides), weight [C, K] (K in
+    """`conv1d_prefill_ref` in two launches: x [T, C] (any strides), weight [C, K] (K in
     2..4), conv_states [slots, C, K - 1] (updated in place), slot_ids [B] (distinct), cu_seqlens
     [B + 1] -> a new contiguous [T, C] in x's dtype.
 
@@ -178,58 +147,3 @@ def causal_conv1d_prefill_triton(x: torch.Tensor, weight: torch.Tensor, conv_sta
         K=kernel, BLOCK_C=BLOCK_C_STATE)
     return out
 
-
-@triton.jit
-def _conv_decode_kernel(x_ptr, w_ptr, state_ptr, slots_ptr, out_ptr, C, x_sb, x_sc, w_sc, w_sk, s_ss, s_sc, s_sk,
-                        K: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Program (b, j): row b, channel block j. Reads the slot's K - 1 state columns and the new
-    input, writes the output, then (after a barrier) the state shifted by one."""
-    b = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_ok = c < C
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    src = state_ptr + slot * s_ss + c * s_sc
-    x = tl.load(x_ptr + b * x_sb + c * x_sc, mask=c_ok, other=0.0).to(tl.float32)
-    # Window [s0, (s1, (s2,)) x], summed as the reference: acc = v0 * w0, then acc = acc + vj * wj.
-    s0 = tl.load(src, mask=c_ok, other=0.0).to(tl.float32)
-    acc = s0 * tl.load(w_ptr + c * w_sc, mask=c_ok, other=0.0).to(tl.float32)
-    if K > 2:
-        s1 = tl.load(src + s_sk, mask=c_ok, other=0.0).to(tl.float32)
-        acc = acc + s1 * tl.load(w_ptr + c * w_sc + w_sk, mask=c_ok, other=0.0).to(tl.float32)
-    if K > 3:
-        s2 = tl.load(src + 2 * s_sk, mask=c_ok, other=0.0).to(tl.float32)
-        acc = acc + s2 * tl.load(w_ptr + c * w_sc + 2 * w_sk, mask=c_ok, other=0.0).to(tl.float32)
-    acc = acc + x * tl.load(w_ptr + c * w_sc + (K - 1) * w_sk, mask=c_ok, other=0.0).to(tl.float32)
-    out = acc / (1.0 + tl.exp(-acc))
-    tl.store(out_ptr + b * C + c, out.to(out_ptr.dtype.element_ty), mask=c_ok)
-    tl.debug_barrier()
-    if K == 2:
-        tl.store(src, x.to(state_ptr.dtype.element_ty), mask=c_ok)
-    if K == 3:
-        tl.store(src, s1.to(state_ptr.dtype.element_ty), mask=c_ok)
-        tl.store(src + s_sk, x.to(state_ptr.dtype.element_ty), mask=c_ok)
-    if K == 4:
-        tl.store(src, s1.to(state_ptr.dtype.element_ty), mask=c_ok)
-        tl.store(src + s_sk, s2.to(state_ptr.dtype.element_ty), mask=c_ok)
-        tl.store(src + 2 * s_sk, x.to(state_ptr.dtype.element_ty), mask=c_ok)
-
-
-def causal_conv1d_decode_triton(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
-                                slot_ids: torch.Tensor) -> torch.Tensor:
-    """`causal_conv1d_decode_ref` in one launch: x [B, C] (any strides), one new input per
-    sequence, slot_ids [B] (distinct); conv_states shift by one in place -> a new contiguous [B, C].
-
-    Invariant by construction: grid (row, fixed BLOCK_C_STATE channel block); row b reads only its
-    own input and its slot's state and sums the K taps in the same order and fp32 operations as
-    the prefill kernel, so decoding a token gives the bits prefilling it would.
-    """
-    kernel_device_ok(x)
-    kernel = _check_conv_args(x, weight, conv_states)
-    batch, channels = x.shape
-    out = torch.empty((batch, channels), dtype=x.dtype, device=x.device)
-    if batch == 0 or channels == 0:
-        return out
-    _conv_decode_kernel[(batch, triton.cdiv(channels, BLOCK_C_STATE))](
-        x, weight, conv_states, slot_ids, out, channels, *x.stride(), *weight.stride(), *conv_states.stride(),
-        K=kernel, BLOCK_C=BLOCK_C_STATE, enable_fp_fusion=False)
-    return out

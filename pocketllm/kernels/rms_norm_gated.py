@@ -1,20 +1,18 @@
-"""RMSNorm over the last dimension (also used per head for the q/k norm).
+"""Op `rms_norm_gated`: the gated RMSNorm of Gated DeltaNet outputs, rms_norm(x) * silu(gate)."""
 
-The Hugging Face Qwen convention: normalise in fp32, cast back to the input dtype, then scale.
-`rms_norm_triton` is the Triton kernel: one program per row, the whole row in one block.
-"""
+from typing import Protocol
 
 import torch
 
 from ._triton import kernel_device_ok, tl, triton
 from .pointwise import elementwise_invariant
+from .rms_norm import rms_norm_ref
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """[..., H] -> [..., H]; each row is reduced on its own, so rows never influence each other."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+class RmsNormGated(Protocol):
+    """x and gate [..., H], weight [H] -> [..., H] in x's dtype."""
+
+    def __call__(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
 
 def rms_norm_gated_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -22,49 +20,6 @@ def rms_norm_gated_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor
     then cast to x's dtype. x and gate [..., H]; rows are independent."""
     silu = elementwise_invariant(torch.nn.functional.silu, gate.float())
     return (rms_norm_ref(x, weight, eps).float() * silu).to(x.dtype)
-
-
-# -- Triton ------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, inner, stride_outer, stride_inner, H, eps, BLOCK: tl.constexpr):
-    """Row r of the [outer, inner, H] view lives at (r // inner) * stride_outer + (r % inner) * stride_inner."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + (row // inner) * stride_outer + (row % inner) * stride_inner
-    cols = tl.arange(0, BLOCK)
-    ok = cols < H
-    x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
-    # As the reference: round the normalised row to x's dtype, then scale; the fp32 product of two
-    # 16-bit floats is exact, so casting it to the output dtype rounds once, like torch does.
-    normed = (x * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * H + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
-
-
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """[..., H] -> [..., H] (contiguous), as `rms_norm_ref`; row invariant by construction.
-
-    Each program reduces exactly one row, loaded whole into a block of next_power_of_2(H) lanes
-    (padding lanes are zero), so the sum of squares has the same shape and order for a row whether
-    it is normalised alone or among many rows. Rows need only be contiguous along H: the q/k
-    slices of a fused projection, viewed as [T, heads, D], are read in place.
-    """
-    kernel_device_ok(x)
-    shape, h = x.shape, x.shape[-1]
-    if weight.shape != (h,):
-        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({h},)")
-    if x.dim() < 2 or x.stride(-1) != 1:
-        x = x.reshape(-1, h).contiguous()
-    view = x.reshape(-1, x.shape[-2], h)  # a view whenever the leading dims can merge; else a copy
-    out = torch.empty(shape, dtype=torch.result_type(weight, x), device=x.device)
-    rows = view.shape[0] * view.shape[1]
-    if rows == 0:
-        return out
-    _rms_norm_kernel[(rows,)](view, weight, out, view.shape[1], view.stride(0), view.stride(1), h, eps,
-                              BLOCK=triton.next_power_of_2(h))
-    return out
 
 
 def _row_view(t: torch.Tensor) -> torch.Tensor:
@@ -122,3 +77,4 @@ def rms_norm_gated_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
         xv, gv, weight, out, xv.shape[1], xv.stride(0), xv.stride(1), gv.stride(0), gv.stride(1), h, eps,
         ROUND_MID=mid == x.dtype, BLOCK=triton.next_power_of_2(h))
     return out
+

@@ -23,10 +23,21 @@ The hash is evaluated in int64 arithmetic whose every intermediate stays below 2
 top-k / top-p as thresholds found by a search over sort keys instead of a sort.
 """
 
+from typing import Protocol
+
 import torch
 
 from ._triton import kernel_device_ok, tl, triton
 from .pointwise import elementwise_invariant
+
+
+class Sample(Protocol):
+    """logits [B, V]; temperature/top_p fp32 [B]; top_k/seeds/positions int64 [B]
+    -> (tokens int64 [B], logprobs fp32 [B])."""
+
+    def __call__(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 seeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 MASK32 = 0xFFFFFFFF
 _MUL_A = 0x7FEB352D

@@ -1,0 +1,55 @@
+"""Shared by `gated_delta_prefill` and `gated_delta_decode`: the gated delta rule of Gated
+DeltaNet layers, over slotted fp32 recurrent states.
+
+Per value head, with state S [Dk, Dv], for each token (q, k L2-normalised; q scaled by Dk^-1/2):
+    S <- exp(g) * S;   S <- S + k (beta (v - S^T k))^T;   out = S^T q
+Value heads outnumber key heads in groups: value head h reads key head h // (Hv / Hk).
+"""
+
+import torch
+
+from ._triton import tl, triton
+from .checks import check_dtype, check_groups, check_shape
+
+CHUNK_SIZE = 64
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def _prepare(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, Hk, Dk] -> fp32 [Hv, n, Dk]: L2-normalised (eps 1e-6), q scaled, key heads repeated."""
+    group = num_v_heads // q.shape[1]
+    q = _l2norm(q.float()) * q.shape[-1] ** -0.5
+    k = _l2norm(k.float())
+    return (q.repeat_interleave(group, dim=1).transpose(0, 1).contiguous(),
+            k.repeat_interleave(group, dim=1).transpose(0, 1).contiguous())
+
+
+@triton.jit
+def _load_unit_rows(ptr, rows, row_stride, col_stride, row_mask, DK: tl.constexpr, BLOCK_DK: tl.constexpr):
+    """Rows of q or k as fp32 [len(rows), BLOCK_DK], each L2-normalised (eps 1e-6); masked rows and
+    the padding columns are zero."""
+    d = tl.arange(0, BLOCK_DK)
+    mask = row_mask[:, None] & (d < DK)[None, :]
+    x = tl.load(ptr + rows[:, None] * row_stride + d[None, :].to(tl.int64) * col_stride, mask=mask,
+                other=0.0).to(tl.float32)
+    return x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+
+
+def _check_gated_delta_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            states: torch.Tensor) -> int:
+    """q, k [tokens, key_heads, Dk], v [tokens, value_heads, Dv], g and beta [tokens, value_heads],
+    states fp32 [slots, value_heads, Dk, Dv]; returns the value heads per key head."""
+    check_shape("q", q, (None, None, None))
+    tokens, key_heads, dim_k = q.shape
+    check_shape("k", k, (tokens, key_heads, dim_k))
+    check_shape("v", v, (tokens, None, None))
+    num_v_heads, dim_v = v.shape[1], v.shape[2]
+    check_shape("g", g, (tokens, num_v_heads))
+    check_shape("beta", beta, (tokens, num_v_heads))
+    check_shape("states", states, (None, num_v_heads, dim_k, dim_v))
+    check_dtype(torch.float32, states=states)
+    return check_groups(num_v_heads, key_heads, "value heads", "key heads")
+

@@ -1,0 +1,155 @@
+"""Op `prefill_attention`: causal grouped-query attention of varlen prompts over slotted K/V.
+
+Queries of several sequences are concatenated (cu_seqlens); each sequence's rows sit at absolute
+positions start .. start + n - 1 of its slot, whose cache holds K/V for [0, start + n) by now.
+- `prefill_attention_ref`: the reference, one sequence at a time, fp32 scores.
+- `prefill_attention_fused`: the same through torch's fused attention, one call per sequence
+  (what the torch backend runs).
+- `prefill_attention_triton`: the Triton kernel, batch invariant by construction.
+"""
+
+from typing import Protocol
+
+import torch
+
+from ._attention import (
+    _attend_block,
+    _attend_one,
+    _block_d,
+    _check_attention_args,
+    _dot_precision,
+    _prefill_per_sequence,
+    _sdpa_one,
+    _softmax_start,
+)
+from ._triton import kernel_device_ok, tl, triton
+from .checks import check_shape
+
+
+class PrefillAttention(Protocol):
+    """q [T, Hq, D] (sequences concatenated), caches [slots, max_seq_len, Hkv, D], slot_ids and
+    start_positions [B], cu_seqlens [B + 1] -> [T, Hq, D]."""
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
+                 start_positions: torch.Tensor, cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor: ...
+
+
+def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_ids: torch.Tensor, start_positions: torch.Tensor,
+                          cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, Hq, D] (sequences concatenated), caches [slots, max_seq_len, Hkv, D],
+    slot_ids/start_positions [B], cu_seqlens [B + 1] -> [T, Hq, D]."""
+    return _prefill_per_sequence(_attend_one, q, k_cache, v_cache, slot_ids, start_positions, cu_seqlens, scale)
+
+
+def prefill_attention_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            slot_ids: torch.Tensor, start_positions: torch.Tensor,
+                            cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+    """prefill_attention_ref through torch's fused attention, one call per sequence: the torch
+    backend's op. One call per sequence keeps every shape the call sees (and so the fused kernel's
+    blocking) a function of that sequence alone; it never builds the [heads, n, n] score matrix the
+    reference does, which made attention a quarter of a 512-token prefill."""
+    return _prefill_per_sequence(_sdpa_one, q, k_cache, v_cache, slot_ids, start_positions, cu_seqlens, scale)
+
+
+PREFILL_BLOCK_M = 64  # query rows per prefill tile
+
+
+PREFILL_BLOCK_N = 64  # keys per prefill block
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, start_ptr, cu_ptr, tile_seq_ptr, tile_row_ptr,
+                    stride_qt, stride_qh, stride_qd,
+                    stride_ks, stride_kl, stride_kh, stride_kd,
+                    stride_vs, stride_vl, stride_vh, stride_vd,
+                    stride_ot, stride_oh, stride_od, scale,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """One (query tile of one sequence, query head): rows tile_row .. tile_row + BLOCK_M - 1 of the
+    sequence against key blocks [0, BLOCK_N), [BLOCK_N, 2 BLOCK_N), .. up to the tile's last
+    position, causal by absolute position, online softmax in fp32."""
+    tile = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    seq = tl.load(tile_seq_ptr + tile).to(tl.int64)
+    tile_row = tl.load(tile_row_ptr + tile).to(tl.int32)
+    first_token = tl.load(cu_ptr + seq).to(tl.int64)
+    num_rows = (tl.load(cu_ptr + seq + 1) - first_token).to(tl.int32)
+    start = tl.load(start_ptr + seq).to(tl.int32)
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    kv_head = head // GROUP
+    rows = tile_row + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    row_mask = (rows >= 0) & (rows < num_rows)
+    d_mask = d < HEAD_DIM
+    q_pos = start + rows
+    last_pos = start + tl.minimum(tile_row + BLOCK_M, num_rows) - 1
+    tokens = first_token + rows
+    q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :] * stride_qd,
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
+    v_base = v_ptr + slot * stride_vs + kv_head * stride_vh
+    m, l, acc = _softmax_start(BLOCK_M, BLOCK_D)
+    for block_start in range(0, last_pos + 1, BLOCK_N):
+        pos = block_start + offs_n
+        kv_mask = pos <= last_pos
+        # Key 0 (block 0) is visible to every row, so m is finite after block 0, and a later block
+        # that is fully masked for a row leaves that row's (m, l, acc) bit for bit unchanged.
+        m, l, acc = _attend_block(q, k_base, v_base, pos, kv_mask, pos[None, :] <= q_pos[:, None], d, d_mask,
+                                  stride_kl, stride_kd, stride_vl, stride_vd, scale, m, l, acc, DOT_PRECISION)
+    out = acc / l[:, None]
+    tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def _prefill_tiles(cu_seqlens: torch.Tensor, start_positions: torch.Tensor,
+                   block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query tiles that never straddle two sequences and sit at absolute positions (multiples of
+    block_m): (sequence index, first row) per tile, the first row relative to the sequence's first
+    new token (negative for a first tile that starts before it)."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    first_abs = start_positions // block_m
+    tiles = torch.where(lengths > 0, (start_positions + lengths - 1) // block_m - first_abs + 1, 0)
+    num_tiles = int(tiles.sum())
+    device = cu_seqlens.device
+    tile_seq = torch.repeat_interleave(torch.arange(len(tiles), device=device), tiles, output_size=num_tiles)
+    first_tile = torch.cumsum(tiles, 0) - tiles
+    tile_abs = torch.arange(num_tiles, device=device) - first_tile[tile_seq] + first_abs[tile_seq]
+    tile_row = tile_abs * block_m - start_positions[tile_seq]
+    return tile_seq, tile_row
+
+
+def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             slot_ids: torch.Tensor, start_positions: torch.Tensor,
+                             cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Varlen causal prefill attention over slotted caches, same semantics as `prefill_attention_ref`.
+
+    Row invariant by construction: tiles hold rows of one sequence only, query tiles and key blocks
+    sit at fixed absolute positions (multiples of BLOCK_M and BLOCK_N from 0), so a row always has
+    the same place in its tile (a dot product on the CPU interpreter computes rows differently by
+    their place in the tile), and every operation on a row (its row of q.K^T, max, exp, sum, its
+    row of p.V) reads only that row. The blocks a tile walks past a row's
+    own position are fully masked for it and merge as exact no-ops, so a row's result is the same
+    whichever rows share its tile: a sequence alone or in a batch, a prompt in one piece or in two
+    over a cached prefix, all give bit-identical rows.
+    """
+    kernel_device_ok(q)
+    group = _check_attention_args(q, k_cache, v_cache)
+    num_tokens, num_heads, head_dim = q.shape
+    check_shape("slot_ids", slot_ids, (None,))
+    check_shape("start_positions", start_positions, (slot_ids.shape[0],))
+    check_shape("cu_seqlens", cu_seqlens, (slot_ids.shape[0] + 1,))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    tile_seq, tile_row = _prefill_tiles(cu_seqlens, start_positions, PREFILL_BLOCK_M)
+    _prefill_kernel[(tile_seq.numel(), num_heads)](
+        q, k_cache, v_cache, out, slot_ids, start_positions, cu_seqlens, tile_seq, tile_row,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), scale,
+        GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, BLOCK_D=_block_d(head_dim),
+        DOT_PRECISION=_dot_precision(q.dtype), num_stages=2)
+    return out
+

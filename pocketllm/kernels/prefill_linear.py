@@ -1,0 +1,20 @@
+"""Op `prefill_linear`: the linear layers on the token rows of a prefill.
+
+Its own op so that a backend may tile prefill rows differently from decode rows (never per
+batch): the torch backend multiplies them in PREFILL_ROW_TILE-row tiles (see `linear.py`); the
+Triton kernel is the same as `linear`'s. The signature is `linear.Linear`.
+"""
+
+import torch
+
+from .linear import PREFILL_ROW_TILE, linear_ref, linear_row_invariant, linear_triton
+
+# The same product as `linear`'s reference and kernel: only the torch backend tiles prefill rows apart.
+prefill_linear_ref = linear_ref
+prefill_linear_triton = linear_triton
+
+
+def prefill_linear_row_invariant(x: torch.Tensor, weight: torch.Tensor,
+                                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear_row_invariant in PREFILL_ROW_TILE-row tiles, for the token rows of a prefill."""
+    return linear_row_invariant(x, weight, bias, PREFILL_ROW_TILE)

@@ -1,0 +1,178 @@
+"""The op registry: every op's signature and its named implementations, in one place.
+
+An op `name` lives in the module `pocketllm/kernels/<name>.py`, which defines the op's signature
+(a `Protocol` whose `__call__` is the call the model makes) and its implementations side by side:
+`<name>_ref` (the reference every other implementation is tested against), `<name>_triton`, and
+any other variant the module has (modules whose names start with `_` hold what two ops share).
+`IMPLEMENTATIONS` below names them; `register` adds a variant from outside the package (a
+notebook, a test file), and `resolve` turns what a user writes in `EngineArgs(op_overrides=...)`
+— a registered name, "module:function", or a callable — into a checked callable.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from . import (
+    conv1d_decode,
+    conv1d_prefill,
+    decode_attention,
+    embedding,
+    gated_delta_decode,
+    gated_delta_prefill,
+    linear,
+    prefill_attention,
+    prefill_linear,
+    rms_norm,
+    rms_norm_gated,
+    rope_write_kv,
+    sample,
+    silu_and_mul,
+)
+
+# op name -> its signature (a Protocol). The order is the model's: embedding first, sample last.
+SIGNATURES: dict[str, type] = {
+    "embedding": embedding.Embedding,
+    "rms_norm": rms_norm.RmsNorm,
+    "rope_write_kv": rope_write_kv.RopeWriteKv,
+    "prefill_attention": prefill_attention.PrefillAttention,
+    "decode_attention": decode_attention.DecodeAttention,
+    "silu_and_mul": silu_and_mul.SiluAndMul,
+    "linear": linear.Linear,
+    "prefill_linear": linear.Linear,
+    "sample": sample.Sample,
+    "conv1d_prefill": conv1d_prefill.Conv1dPrefill,
+    "conv1d_decode": conv1d_decode.Conv1dDecode,
+    "gated_delta_prefill": gated_delta_prefill.GatedDeltaPrefill,
+    "gated_delta_decode": gated_delta_decode.GatedDeltaDecode,
+    "rms_norm_gated": rms_norm_gated.RmsNormGated,
+}
+OP_NAMES: tuple[str, ...] = tuple(SIGNATURES)
+
+# op name -> implementation name -> function. "ref" is the reference of every op.
+IMPLEMENTATIONS: dict[str, dict[str, Callable[..., Any]]] = {
+    "embedding": {"ref": embedding.embedding_ref},
+    "rms_norm": {"ref": rms_norm.rms_norm_ref, "triton": rms_norm.rms_norm_triton},
+    "rope_write_kv": {"ref": rope_write_kv.rope_write_kv_ref, "triton": rope_write_kv.rope_write_kv_triton},
+    "prefill_attention": {"ref": prefill_attention.prefill_attention_ref,
+                          "fused": prefill_attention.prefill_attention_fused,
+                          "triton": prefill_attention.prefill_attention_triton},
+    "decode_attention": {"ref": decode_attention.decode_attention_ref,
+                         "fused": decode_attention.decode_attention_fused,
+                         "triton": decode_attention.decode_attention_triton},
+    "silu_and_mul": {"ref": silu_and_mul.silu_and_mul_ref, "triton": silu_and_mul.silu_and_mul_triton},
+    "linear": {"ref": linear.linear_ref, "row_invariant": linear.linear_row_invariant,
+               "per_row": linear.linear_per_row, "triton": linear.linear_triton},
+    "prefill_linear": {"ref": prefill_linear.prefill_linear_ref,
+                       "row_invariant": prefill_linear.prefill_linear_row_invariant,
+                       "triton": prefill_linear.prefill_linear_triton},
+    "sample": {"ref": sample.sample_ref, "triton": sample.sample_triton},
+    "conv1d_prefill": {"ref": conv1d_prefill.conv1d_prefill_ref, "triton": conv1d_prefill.conv1d_prefill_triton},
+    "conv1d_decode": {"ref": conv1d_decode.conv1d_decode_ref, "triton": conv1d_decode.conv1d_decode_triton},
+    "gated_delta_prefill": {"ref": gated_delta_prefill.gated_delta_prefill_ref,
+                            "triton": gated_delta_prefill.gated_delta_prefill_triton},
+    "gated_delta_decode": {"ref": gated_delta_decode.gated_delta_decode_ref,
+                           "triton": gated_delta_decode.gated_delta_decode_triton},
+    "rms_norm_gated": {"ref": rms_norm_gated.rms_norm_gated_ref, "triton": rms_norm_gated.rms_norm_gated_triton},
+}
+
+ImplSpec = str | Callable[..., Any]
+
+
+def check_op_name(op: str, field: str = "op") -> None:
+    """ValueError naming `field` and the registered ops unless `op` is one."""
+    if not isinstance(op, str) or op not in SIGNATURES:
+        raise ValueError(f"{field} must be one of {OP_NAMES}, got {op!r}")
+
+
+def check_signature(op: str, fn: Callable[..., Any]) -> None:
+    """TypeError unless `fn` can be called as op `op`'s signature says: the same parameters, in
+    the same order and with the same names, each optional one optional too; anything `fn` takes
+    beyond them must have a default. A function taking *args is accepted as it is."""
+    if not callable(fn):
+        raise TypeError(f"an implementation of {op} must be callable, got {type(fn).__name__}")
+    want = list(inspect.signature(SIGNATURES[op].__call__).parameters.values())[1:]  # drop self
+    try:
+        got = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: the engine-level checks will tell
+    if any(p.kind is p.VAR_POSITIONAL for p in got):
+        return
+    positional = [p for p in got if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    problems = []
+    for i, expected in enumerate(want):
+        if i >= len(positional):
+            problems.append(f"missing parameter {expected.name!r} (position {i})")
+        elif positional[i].name != expected.name and positional[i].kind is not positional[i].POSITIONAL_ONLY:
+            problems.append(f"parameter {i} is {positional[i].name!r}, expected {expected.name!r}")
+        elif expected.default is not expected.empty and positional[i].default is positional[i].empty:
+            problems.append(f"parameter {expected.name!r} must be optional")
+    problems += [f"extra parameter {p.name!r} has no default" for p in got[len(want):]
+                 if p.default is p.empty and p.kind not in (p.VAR_KEYWORD,)]
+    if problems:
+        expected_sig = "(" + ", ".join(str(p) for p in want) + ")"
+        raise TypeError(f"{_describe(fn)} does not match the signature of op {op}{expected_sig}: "
+                        + "; ".join(problems))
+
+
+def register(op: str, name: str, fn: Callable[..., Any]) -> None:
+    """Add implementation `name` of `op` (checked against the op's signature), so that
+    `op_overrides={op: name}`, the lab and the kernel tests can select it by name."""
+    check_op_name(op)
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"an implementation name must be a non-empty str without ':', got {name!r}")
+    check_signature(op, fn)
+    IMPLEMENTATIONS[op][name] = fn
+
+
+def resolve(op: str, spec: ImplSpec) -> Callable[..., Any]:
+    """The implementation `spec` names for `op`: a registered name ("ref", "triton", ...), an
+    import path "package.module:function", or a callable; checked against the op's signature."""
+    check_op_name(op)
+    if callable(spec):
+        fn = spec
+    elif isinstance(spec, str) and spec in IMPLEMENTATIONS[op]:
+        return IMPLEMENTATIONS[op][spec]
+    elif isinstance(spec, str) and ":" in spec:
+        fn = import_path(spec)
+    else:
+        raise ValueError(f"implementation of {op} must be one of {tuple(IMPLEMENTATIONS[op])}, "
+                         f"'module:function' or a callable, got {spec!r}")
+    check_signature(op, fn)
+    return fn
+
+
+def import_path(spec: str) -> Callable[..., Any]:
+    """The object at "package.module:attr[.attr...]"; ImportError/AttributeError name what is missing."""
+    module_name, _, attr_path = spec.partition(":")
+    if not module_name or not attr_path:
+        raise ValueError(f"an import path must look like 'package.module:function', got {spec!r}")
+    obj: Any = importlib.import_module(module_name)
+    for attr in attr_path.split("."):
+        if not hasattr(obj, attr):
+            raise AttributeError(f"{spec!r}: {module_name} has no attribute {attr_path!r}")
+        obj = getattr(obj, attr)
+    return obj
+
+
+def check_overrides(overrides: Mapping[str, ImplSpec], field: str = "op_overrides") -> dict[str, Callable[..., Any]]:
+    """Every override resolved, or an error naming `field`, the op and what went wrong."""
+    if not isinstance(overrides, Mapping):
+        raise TypeError(f"{field} must be a dict of op name -> implementation, got {type(overrides).__name__}")
+    resolved = {}
+    for op, spec in overrides.items():
+        check_op_name(op, f"a key of {field}")
+        try:
+            resolved[op] = resolve(op, spec)
+        except (ImportError, AttributeError, ValueError, TypeError) as exc:
+            raise type(exc)(f"{field}[{op!r}]: {exc}") from exc
+    return resolved
+
+
+def _describe(fn: Callable[..., Any]) -> str:
+    module = getattr(fn, "__module__", None)
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    return f"{module}.{name}" if module else name

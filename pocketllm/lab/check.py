@@ -1,0 +1,172 @@
+"""`pocketllm lab check`: every check an op's implementation must pass, as one verdict table.
+
+- reference: the implementation against the op's reference on the op's case grid, within the
+  tolerance of `compare.TOLERANCES` (and against a second implementation with `vs`);
+- batch invariance: each member's outputs bitwise equal alone (in another slot) and in the batch,
+  in the batch's order and reversed;
+- split invariance (prefill ops): a sequence prefilled in two pieces cut at an aligned position
+  gives the bits of one piece, outputs and final slot state;
+- engine property and parity (`engine.py`): the Hypothesis invariance property of the whole engine
+  with the implementation installed, and greedy parity against `transformers`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..kernels.registry import IMPLEMENTATIONS, ImplSpec, check_op_name, resolve
+from .cases import Case, Member, call, op_cases, pack, run, split_member, unpack
+from .compare import bits_error, close_error
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One line of the verdict: a check on one case; `detail` says what failed and by how much."""
+
+    check: str
+    case: str
+    ok: bool
+    detail: str = ""
+
+
+@dataclass
+class Verdict:
+    """All findings of one implementation of one op."""
+
+    op: str
+    impl: str
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(f.ok for f in self.findings)
+
+    def summary(self) -> list[tuple[str, int, int]]:
+        """(check, cases passed, cases run) per check, in the order the checks ran."""
+        rows: dict[str, list[int]] = {}
+        for f in self.findings:
+            counts = rows.setdefault(f.check, [0, 0])
+            counts[0] += f.ok
+            counts[1] += 1
+        return [(check, passed, total) for check, (passed, total) in rows.items()]
+
+    def table(self) -> str:
+        """A Markdown table: one row per check, then every failed case with its detail."""
+        lines = [f"{self.op} <- {self.impl}: {'PASS' if self.ok else 'FAIL'}", "",
+                 "| check | passed | cases |", "|---|---|---|"]
+        lines += [f"| {check} | {passed} | {total} |" for check, passed, total in self.summary()]
+        failed = [f for f in self.findings if not f.ok]
+        if failed:
+            lines += ["", "failed:"] + [f"- {f.check} [{f.case}]: {f.detail}" for f in failed]
+        return "\n".join(lines)
+
+
+def _members_error(got: list[dict[str, torch.Tensor]], want: list[dict[str, torch.Tensor]],
+                   compare: Callable[[torch.Tensor, torch.Tensor], str | None]) -> str | None:
+    for i, (g, w) in enumerate(zip(got, want)):
+        for name in w:
+            error = compare(g[name], w[name])
+            if error:
+                return f"member {i}, {name}: {error}"
+    return None
+
+
+def _guarded(check: str, case: Case, body: Callable[[], str | None]) -> Finding:
+    """The finding of `body` (None: passed); an exception is a failure that names it."""
+    try:
+        error = body()
+    except Exception as exc:  # a variant may fail in any way; the verdict must say how
+        error = f"raised {type(exc).__name__}: {exc}"
+    return Finding(check, case.label, error is None, error or "")
+
+
+def reference_findings(case: Case, impl: Callable[..., Any], ref: Callable[..., Any], check: str,
+                       device: torch.device | str) -> Finding:
+    """impl against ref on the case, each member's every output within tolerance."""
+    return _guarded(check, case, lambda: _members_error(
+        run(case, impl, device=device), run(case, ref, device=device),
+        lambda a, e: close_error(a, e, case.dtype)))
+
+
+def batch_findings(case: Case, impl: Callable[..., Any], device: torch.device | str) -> Finding:
+    """Each member alone (slot 0) and in the batch (forward and reversed) bitwise equal."""
+    def body() -> str | None:
+        count = len(case.members)
+        full = run(case, impl, device=device)
+        reverse_order = list(range(count))[::-1]
+        reversed_run = run(case, impl, order=reverse_order, slot_order=list(range(count)), device=device)[::-1]
+        for name, outputs in (("batch reversed", reversed_run),
+                              *((f"member {i} alone", None) for i in range(count))):
+            if outputs is None:
+                i = int(name.split()[1])
+                alone = run(case, impl, order=[i], slot_order=[0], device=device)
+                error = _members_error(alone, [full[i]], bits_error)
+            else:
+                error = _members_error(outputs, full, bits_error)
+            if error:
+                return f"{name} vs the batch: {error}"
+        return None
+    return _guarded("batch invariance", case, body)
+
+
+def split_findings(case: Case, impl: Callable[..., Any], device: torch.device | str) -> list[Finding]:
+    """Every member long enough: prefilled in two pieces at its first aligned position vs in one."""
+    findings = []
+    for index, member in enumerate(case.members):
+        pieces = split_member(member)
+        if pieces is None:
+            continue
+
+        def body(member: Member = member, pieces: tuple[Member, Member] = pieces) -> str | None:
+            whole = run_members(case, impl, [member], device)[0]
+            first_packed = pack(case, [pieces[0]], [0], device)
+            first = unpack(call(case.op, impl, first_packed), first_packed)[0]
+            second_member = Member(pieces[1].start, pieces[1].tokens,
+                                   {name: first[name].cpu() for name in member.slots})
+            second = run_members(case, impl, [second_member], device)[0]
+            joined = {name: torch.cat([first[name], second[name]]) for name in whole if name not in member.slots}
+            joined.update({name: second[name] for name in member.slots})
+            error = _members_error([joined], [whole], bits_error)
+            return f"cut at position {pieces[1].start}: {error}" if error else None
+
+        findings.append(_guarded("split invariance", Case(case.op, f"{case.label} member {index}", case.dtype,
+                                                          case.shared, case.members), body))
+    return findings
+
+
+def run_members(case: Case, impl: Callable[..., Any], members: list[Member],
+                device: torch.device | str) -> list[dict[str, torch.Tensor]]:
+    packed = pack(case, members, list(range(len(members))), device)
+    return unpack(call(case.op, impl, packed), packed)
+
+
+def describe(spec: ImplSpec) -> str:
+    if isinstance(spec, str):
+        return spec
+    return f"{getattr(spec, '__module__', '?')}:{getattr(spec, '__qualname__', type(spec).__name__)}"
+
+
+def check_kernel(op: str, impl: ImplSpec, vs: Iterable[ImplSpec] = (), device: torch.device | str = "cpu",
+                 dtypes: tuple[torch.dtype, ...] | None = None) -> Verdict:
+    """The op-level checks of `impl` (a registered name, "module:function" or a callable): the
+    reference on the case grid, against every implementation in `vs`, batch and split invariance."""
+    check_op_name(op)
+    fn = resolve(op, impl)
+    if dtypes is None:
+        dtypes = (torch.float32, torch.float16, torch.bfloat16) if torch.device(device).type == "cuda" \
+            else (torch.float32, torch.float16)
+    verdict = Verdict(op, describe(impl))
+    ref = IMPLEMENTATIONS[op]["ref"]
+    others = [(describe(spec), resolve(op, spec)) for spec in vs]
+    for case in op_cases(op, dtypes):
+        verdict.findings.append(reference_findings(case, fn, ref, "reference", device))
+        for name, other in others:
+            verdict.findings.append(reference_findings(case, fn, other, f"vs {name}", device))
+        verdict.findings.append(batch_findings(case, fn, device))
+        if case.splittable:
+            verdict.findings += split_findings(case, fn, device)
+    return verdict

@@ -1,0 +1,180 @@
+"""Engine-level checks: the invariance property, and greedy parity against `transformers`.
+
+The property is the contract itself: random workloads (arrival steps, batch sizes, sampling
+parameters, cancellations) through the batch scheduler, every request's tokens and logprobs `==`
+its serial run. The engine tests and `pocketllm lab check` run this same code, the lab with a
+variant installed through `op_overrides`. Needs `hypothesis` (and `transformers` for parity):
+the `dev` extra.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ..config import Backend, EngineArgs
+from ..kernels.registry import ImplSpec
+from ..llm import LLM
+from ..models import cached_checkpoint
+from ..outputs import GenerationResult
+from ..sampling import SamplingParams
+
+MAX_SEQ_LEN = 96
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    arrival_step: int
+    cancel_step: int | None  # steps after arrival; None: never cancelled
+
+
+sampling_params = st.builds(
+    SamplingParams,
+    max_tokens=st.integers(1, 24),
+    temperature=st.sampled_from([0.0, 0.0, 0.5, 1.0, 1.7]),
+    top_k=st.sampled_from([0, 0, 1, 5, 40]),
+    top_p=st.sampled_from([1.0, 1.0, 0.9, 0.5]),
+    seed=st.integers(0, 2**64 - 1),
+    ignore_eos=st.booleans(),
+)
+
+
+def workloads(vocab: int, max_prompt: int = 64, max_jobs: int = 12) -> st.SearchStrategy:
+    """(jobs, max_batch_size): prompts of 1..max_prompt tokens arriving at steps 0..12."""
+    jobs = st.builds(Job, prompt=st.lists(st.integers(0, vocab - 1), min_size=1, max_size=max_prompt).map(tuple),
+                     params=sampling_params, arrival_step=st.integers(0, 12),
+                     cancel_step=st.none() | st.integers(0, 10))
+    return st.tuples(st.lists(jobs, min_size=1, max_size=max_jobs), st.integers(1, 8))
+
+
+class Engines:
+    """One serial engine and one batched engine per max_batch_size, on the same checkpoint and
+    options (`options`: backend options; `engine_args`: backend, op_overrides, ...)."""
+
+    def __init__(self, path: str | Path, max_seq_len: int = MAX_SEQ_LEN, engine_args: Mapping[str, Any] | None = None,
+                 **options: Any) -> None:
+        self.path = str(path)
+        self.options = options
+        self.engine_args = dict(engine_args or {})
+        self.max_seq_len = max_seq_len
+        self.serial = self._engine(self.options)
+        self.batched: dict[int, LLM] = {}
+        self.serial_cache: dict[tuple, tuple[list[int], list[float]]] = {}
+
+    def _engine(self, options: dict[str, Any]) -> LLM:
+        return LLM(EngineArgs(model=self.path, max_seq_len=self.max_seq_len, backend_options=options,
+                              **self.engine_args))
+
+    def scheduler(self, max_batch_size: int) -> Any:
+        if max_batch_size not in self.batched:
+            self.batched[max_batch_size] = self._engine({**self.options, "enable_batching": True,
+                                                         "max_batch_size": max_batch_size,
+                                                         "background_thread": False})
+        return self.batched[max_batch_size].scheduler
+
+    def serial_output(self, job: Job) -> tuple[list[int], list[float]]:
+        key = (job.prompt, job.params)
+        if key not in self.serial_cache:
+            result = self.serial.generate(prompt_tokens=list(job.prompt), sampling_params=job.params)
+            if result.finish_reason not in ("stop", "length"):
+                raise AssertionError(f"serial run ended {result.finish_reason}: {result.error}")
+            self.serial_cache[key] = (result.token_ids, result.logprobs)
+        return self.serial_cache[key]
+
+    def close(self) -> None:
+        for llm in self.batched.values():
+            llm.close()
+
+
+def run_batched(engines: Engines, workload: list[Job], max_batch_size: int) -> dict[int, GenerationResult]:
+    """Drive the scheduler step by step: submit each job at its arrival step, cancel it when due."""
+    scheduler = engines.scheduler(max_batch_size)
+    ids: dict[int, int] = {}
+    step = 0
+    while len(ids) < len(workload) or scheduler.has_work:
+        for index, job in enumerate(workload):
+            if job.arrival_step == step:
+                ids[index] = scheduler.submit_request(list(job.prompt), job.params)
+            if index in ids and job.cancel_step is not None and job.arrival_step + job.cancel_step == step:
+                scheduler.cancel_request(ids[index])
+        scheduler.step()
+        step += 1
+    results = {index: scheduler.poll_result(request_id) for index, request_id in ids.items()}
+    if any(r is None for r in results.values()):
+        raise AssertionError("a request has no terminal state after the scheduler ran out of work")
+    if engines.batched[max_batch_size].cache.num_free != max_batch_size:
+        raise AssertionError("slots still held after every request ended")
+    return results
+
+
+def mismatches(engines: Engines, workload: list[Job], max_batch_size: int) -> list[str]:
+    """Differences between batched and serial outputs; a cancelled request's partial output must
+    be a prefix of its serial output."""
+    found = []
+    for index, result in run_batched(engines, workload, max_batch_size).items():
+        tokens, logprobs = engines.serial_output(workload[index])
+        n = len(result.token_ids) if result.finish_reason == "cancelled" else len(tokens) + 1
+        if result.token_ids != tokens[:n] or result.logprobs != logprobs[:n]:
+            found.append(f"job {index}: batched {result.token_ids} {result.logprobs} != serial {tokens} {logprobs}")
+    return found
+
+
+def engine_property(overrides: Mapping[str, ImplSpec], preset: str, examples: int,
+                    backend: Backend = "torch") -> str | None:
+    """Run the invariance property on `preset` with `overrides` installed; None when it holds,
+    else the shrunk counterexample."""
+    path = cached_checkpoint(preset)
+    engines = Engines(path, engine_args={"backend": backend, "op_overrides": dict(overrides)})
+    vocab = engines.serial.model_config.vocab_size
+    failure: list[str] = []
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(workload=workloads(min(vocab, 256), max_prompt=40, max_jobs=8))
+    def holds(workload: tuple[list[Job], int]) -> None:
+        found = mismatches(engines, *workload)
+        if found:
+            failure[:] = [f"max_batch_size {workload[1]}, {len(workload[0])} jobs: {found[0]}"]
+            raise AssertionError(found[0])
+
+    try:
+        holds()
+    except AssertionError:
+        return failure[-1] if failure else "the property failed"
+    finally:
+        engines.close()
+    return None
+
+
+@torch.inference_mode()
+def greedy_parity(overrides: Mapping[str, ImplSpec], preset: str, prompts: int = 3, new_tokens: int = 16,
+                  backend: Backend = "torch") -> str | None:
+    """Greedy tokens of pocketllm (fp32, `overrides` installed) == transformers' (eager, fp32)
+    on `prompts` random prompts; None when all agree, else the first divergence."""
+    import transformers
+
+    path = cached_checkpoint(preset)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    hf.eval()
+    llm = LLM(EngineArgs(model=str(path), max_seq_len=128, backend=backend, op_overrides=dict(overrides)))
+    gen = torch.Generator().manual_seed(0)
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None,
+                                           pad_token_id=0)
+    hf.generation_config.eos_token_id = None
+    for length in (1, 9, 70)[:prompts]:
+        prompt = torch.randint(0, llm.model_config.vocab_size, (length,), generator=gen).tolist()
+        want = hf.generate(torch.tensor([prompt]), generation_config=config)[0, length:].tolist()
+        got = llm.generate(prompt_tokens=prompt, sampling_params=SamplingParams(
+            max_tokens=new_tokens, temperature=0.0, ignore_eos=True)).token_ids
+        if got != want:
+            at = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            return f"prompt of {length} tokens: token {at} is {got[at]}, transformers gives {want[at]}"
+    return None
