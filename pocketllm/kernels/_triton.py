@@ -8,6 +8,8 @@ raises a clear error.
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -37,12 +39,33 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = tl = _Missing()
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_recording = False  # see recording_launches
+
+
+@contextmanager
+def recording_launches() -> Iterator[None]:
+    """For `pocketllm.lab.compile`, which records launches to compile them for a GPU target and runs
+    nothing: meanwhile launchers accept CPU tensors with the interpreter off, and make their
+    device-dependent choices (tile sizes, ...) for CUDA, the device the launches are compiled for."""
+    global _recording
+    previous, _recording = _recording, True
+    try:
+        yield
+    finally:
+        _recording = previous
+
+
+def launch_device_type(tensor: torch.Tensor) -> str:
+    """The device type a launcher tunes its launch for: the tensor's, or "cuda" while launches are
+    recorded (see `recording_launches`)."""
+    return "cuda" if _recording else tensor.device.type
 
 
 def kernel_device_ok(tensor: torch.Tensor) -> None:
-    """Kernels run on CUDA tensors, or on CPU tensors under the interpreter."""
+    """Kernels run on CUDA tensors, or on CPU tensors under the interpreter (or while launches are
+    only recorded, see `recording_launches`)."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed; use backend='torch'")
-    if tensor.device.type == "cpu" and not INTERPRETED:
+    if tensor.device.type == "cpu" and not INTERPRETED and not _recording:
         raise RuntimeError("a Triton kernel got CPU tensors but the interpreter is off; "
                            "import pocketllm before triton, or use device='cuda'")

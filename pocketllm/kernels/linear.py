@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ._triton import kernel_device_ok, tl, triton
+from ._triton import kernel_device_ok, launch_device_type, tl, triton
 
 # Rows per GEMM call of the torch backend, one constant per kind of row, so a row's tile shape
 # depends only on whether it is decoded or prefilled, never on the batch. Measured with MKL on 2
@@ -204,11 +204,12 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_m, block_n, block_k = TILES[x.device.type]
+    device_type = launch_device_type(x)
+    block_m, block_n, block_k = TILES[device_type]
     num_tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     _linear_kernel[(_num_programs(x.device, num_tiles),)](
         x, weight, bias if bias is not None else weight, out, m, n, k,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
-        HOST_DOT=x.device.type == "cpu", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        HOST_DOT=device_type == "cpu", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out

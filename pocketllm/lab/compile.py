@@ -1,0 +1,636 @@
+"""`pocketllm lab compile`: compile every Triton kernel for NVIDIA GPUs ahead of time, without one.
+
+A kernel that passes its tests under the CPU interpreter can still spill registers to local memory,
+or ask for more shared memory or registers than a GPU has; none of it shows until it runs on one.
+Triton's compiler and its bundled ptxas and cuobjdump run on the CPU, so this module compiles each
+kernel for sm_80 and sm_90 at the launch configurations the engine really uses and reads the
+resources of the resulting cubin.
+
+The configurations are not written by hand: the launchers of the Triton op table are called with
+CPU tensors laid out as the models lay them out (the Qwen3-0.6B and Qwen3.5-0.8B presets, decode
+and prefill steps, and an attention sweep over head dims and GQA ratios) while `JITFunction.run`
+is replaced by a recorder that launches nothing. Triton's own binder then specialises each
+recorded launch for the target (argument types, divisibility by 16, integers equal to 1,
+`do_not_specialize`), as a launch on that GPU would, and each distinct specialisation is compiled
+once per target.
+
+Compiling needs Triton out of interpreter mode, which a process that imported pocketllm on a
+machine without CUDA is in (see kernels/_triton.py); there `compile_kernels` runs this module in a
+subprocess with TRITON_INTERPRET=0. Written against Triton 3.9's `JITFunction.run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+
+from ..config import ModelConfig
+from ..kernels import get_ops
+from ..kernels._triton import HAS_TRITON, INTERPRETED, recording_launches
+from ..models.batch import ForwardBatch
+from ..models.presets import PRESETS
+
+# -- targets and their limits ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """An NVIDIA GPU architecture and the one limit that differs between those supported here."""
+
+    name: str
+    capability: int
+    max_shared: int  # bytes of shared memory per block, with the opt-in
+
+
+TARGETS = {t.name: t for t in (Target("sm_80", 80, 166912), Target("sm_90", 90, 232448))}
+MAX_REGISTERS_PER_THREAD = 255
+REGISTERS_PER_BLOCK = 65536
+REGISTER_GRANULE = 8  # a thread's registers are allocated in multiples of 8 (256 per warp)
+WARP_SIZE = 32
+
+
+@dataclass(frozen=True)
+class KernelReport:
+    """One specialisation of one kernel, compiled for one target."""
+
+    op: str
+    kernel: str
+    shape: str  # the first launch that needs this specialisation (+ how many others share it)
+    target: str
+    regs: int | None  # registers per thread; None where the compile failed
+    stack: int | None  # bytes of local memory per thread (stack frame, where spills go)
+    shared: int | None  # bytes of shared memory per block, static and dynamic
+    num_warps: int
+    ok: bool
+    reason: str  # why it fails ("" when it fits); notes allowed spills
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a compiled kernel needs: registers and local-memory bytes per thread, shared bytes per block."""
+
+    regs: int
+    stack: int
+    shared: int
+
+
+_FUNCTION = re.compile(r"Function (\S+):\s*\n\s*(.*)")
+_FIELD = re.compile(r"(\w+):(\d+)")
+
+
+def parse_resource_usage(dump: str, function: str) -> Usage:
+    """`function`'s line of `cuobjdump --dump-resource-usage` ("REG:14 STACK:0 SHARED:0 LOCAL:0 ..."):
+    registers, local memory (STACK + LOCAL) and static shared memory."""
+    for name, fields in _FUNCTION.findall(dump):
+        if name == function:
+            values = {key: int(value) for key, value in _FIELD.findall(fields)}
+            return Usage(values["REG"], values["STACK"] + values["LOCAL"], values["SHARED"])
+    raise ValueError(f"cuobjdump reports no function {function!r}:\n{dump}")
+
+
+def check_fit(usage: Usage, num_warps: int, target: Target, allow_spills: bool = False) -> tuple[bool, str]:
+    """(fits, reason): over-limit shared memory or registers fail to launch, spills cost local-memory
+    traffic; with `allow_spills` a spill is only noted."""
+    failures: list[str] = []
+    if usage.shared > target.max_shared:
+        failures.append(f"shared memory {usage.shared} B > {target.max_shared} B")
+    if usage.regs > MAX_REGISTERS_PER_THREAD:
+        failures.append(f"{usage.regs} registers per thread > {MAX_REGISTERS_PER_THREAD}")
+    threads = num_warps * WARP_SIZE
+    allocated = -(-usage.regs // REGISTER_GRANULE) * REGISTER_GRANULE * threads
+    if allocated > REGISTERS_PER_BLOCK:
+        failures.append(f"{usage.regs} registers x {threads} threads > {REGISTERS_PER_BLOCK}")
+    notes: list[str] = []
+    if usage.stack:
+        spill = f"spills: {usage.stack} B of local memory per thread"
+        (notes if allow_spills else failures).append(spill + (" (allowed)" if allow_spills else ""))
+    return not failures, "; ".join(failures + notes)
+
+
+# -- launch configurations: the op table's launchers at the models' shapes --------------------
+
+MODELS = ("qwen3-0.6b", "qwen3.5-0.8b")  # presets in the exact shapes of the published checkpoints
+DTYPE = torch.bfloat16  # activations, weights and caches; recurrent states are fp32
+SLOTS = 8
+MAX_SEQ_LEN = 4096
+# name -> (tokens cached per sequence before the step, new tokens per sequence)
+PHASES = {
+    "decode b1": ((4095,), (1,)),  # the longest context: 16 key splits
+    "decode b8": ((2999, 2047, 1500, 1023, 700, 255, 100, 16), (1,) * 8),  # 12 splits: not a multiple of 16
+    "prefill 2 seqs": ((0, 64), (200, 312)),  # 512 tokens, the second after a cached prefix
+}
+# Attention is also compiled at these head dims and query heads per K/V head (16 query heads).
+SWEEP_HEAD_DIMS = (64, 128, 256)
+SWEEP_GROUPS = (1, 2, 4, 8)
+SWEEP_PHASES = ("decode b8", "prefill 2 seqs")
+ATTENTION_OPS = ("prefill_attention", "decode_attention")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One model step: the shapes every op of the step sees."""
+
+    name: str
+    cfg: ModelConfig
+    batch: ForwardBatch
+
+    @property
+    def tokens(self) -> int:
+        return self.batch.positions.numel()
+
+    @property
+    def sequences(self) -> int:
+        return self.batch.slot_ids.numel()
+
+
+Call = tuple[str, Callable[[], object]]  # (which call of the op in the step, the call)
+
+
+def _step(name: str, cfg: ModelConfig, phase: str) -> Step:
+    starts, lengths = PHASES[phase]
+    batch = ForwardBatch.build(list(range(len(starts))), list(starts), [[0] * n for n in lengths],
+                               is_decode=phase.startswith("decode"), device="cpu")
+    return Step(f"{name} {phase}", cfg, batch)
+
+
+def _model_steps() -> list[Step]:
+    configs = [(name, ModelConfig.from_dict(PRESETS[name], source=f"preset {name!r}")) for name in MODELS]
+    return [_step(name, cfg, phase) for name, cfg in configs for phase in PHASES]
+
+
+def _sweep_steps() -> list[Step]:
+    base = ModelConfig.from_dict(PRESETS[MODELS[0]], source=f"preset {MODELS[0]!r}")
+    heads = base.num_attention_heads
+    return [_step(f"sweep d{d} gqa{g}", dataclasses.replace(base, head_dim=d, num_key_value_heads=heads // g), phase)
+            for d in SWEEP_HEAD_DIMS for g in SWEEP_GROUPS for phase in SWEEP_PHASES]
+
+
+def _act(*shape: int, dtype: torch.dtype = DTYPE) -> torch.Tensor:
+    """An uninitialised tensor: only dtypes, strides and alignment reach the compiler."""
+    return torch.empty(shape, dtype=dtype)
+
+
+def _hybrid(cfg: ModelConfig) -> bool:
+    """Qwen3.5: Gated DeltaNet layers, and full attention with an output gate."""
+    return cfg.architecture.startswith("Qwen3_5")
+
+
+def _attention_views(cfg: ModelConfig, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [tokens, heads, head_dim] as `Attention.forward` slices the fused projection."""
+    heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q_width = (2 if _hybrid(cfg) else 1) * heads * d
+    q, k, v = _act(tokens, q_width + 2 * kv_heads * d).split([q_width, kv_heads * d, kv_heads * d], dim=-1)
+    q = q.reshape(tokens, heads, 2 * d)[..., :d] if _hybrid(cfg) else q.reshape(tokens, heads, d)
+    return q, k.reshape(tokens, kv_heads, d), v.reshape(tokens, kv_heads, d)
+
+
+def _kv_cache(cfg: ModelConfig) -> torch.Tensor:
+    return _act(SLOTS, MAX_SEQ_LEN, cfg.num_key_value_heads, cfg.head_dim)
+
+
+def _gdn_sizes(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(key_dim, value_dim, conv_dim) of a Gated DeltaNet layer, as `DeltaNet` sizes them."""
+    key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    value_dim = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    return key_dim, value_dim, 2 * key_dim + value_dim
+
+
+def _gdn_in_proj(cfg: ModelConfig, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qkv [tokens, conv_dim], z [tokens, value heads, value dim]): views of the fused input
+    projection's output, as `DeltaNet.forward` splits it."""
+    _, value_dim, conv_dim = _gdn_sizes(cfg)
+    v_heads = cfg.linear_num_value_heads
+    qkv, z, _, _ = _act(tokens, conv_dim + value_dim + 2 * v_heads).split([conv_dim, value_dim, v_heads, v_heads],
+                                                                          dim=-1)
+    return qkv, z.reshape(tokens, v_heads, cfg.linear_value_head_dim)
+
+
+def _projections(cfg: ModelConfig) -> list[tuple[str, int, int]]:
+    """(name, in features, out features) of a layer's matrices."""
+    heads, kv_heads, d, hidden = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    q_width = (2 if _hybrid(cfg) else 1) * heads * d
+    shapes = [("qkv", hidden, q_width + 2 * kv_heads * d), ("o_proj", heads * d, hidden),
+              ("gate_up", hidden, 2 * cfg.intermediate_size), ("down", cfg.intermediate_size, hidden)]
+    if _hybrid(cfg):
+        _, value_dim, conv_dim = _gdn_sizes(cfg)
+        shapes += [("in_proj", hidden, conv_dim + value_dim + 2 * cfg.linear_num_value_heads),
+                   ("out_proj", value_dim, hidden)]
+    return shapes
+
+
+def _body_linear(linear: Callable, step: Step) -> list[Call]:
+    return [(name, partial(linear, _act(step.tokens, i), _act(o, i))) for name, i, o in _projections(step.cfg)]
+
+
+def _linear_calls(linear: Callable, step: Step) -> list[Call]:
+    """Decode rows go through `linear`, and the lm_head rows of every step."""
+    cfg = step.cfg
+    lm_head = ("lm_head", lambda: linear(_act(step.sequences, cfg.hidden_size), _act(cfg.vocab_size, cfg.hidden_size)))
+    return (_body_linear(linear, step) if step.batch.is_decode else []) + [lm_head]
+
+
+def _prefill_linear_calls(linear: Callable, step: Step) -> list[Call]:
+    return [] if step.batch.is_decode else _body_linear(linear, step)
+
+
+def _rms_norm_calls(rms_norm: Callable, step: Step) -> list[Call]:
+    cfg, eps = step.cfg, step.cfg.rms_norm_eps
+    q, k, _ = _attention_views(cfg, step.tokens)
+    return [("hidden", lambda: rms_norm(_act(step.tokens, cfg.hidden_size), _act(cfg.hidden_size), eps)),
+            ("q norm", lambda: rms_norm(q, _act(cfg.head_dim), eps)),
+            ("k norm", lambda: rms_norm(k, _act(cfg.head_dim), eps)),
+            ("final norm", lambda: rms_norm(_act(step.sequences, cfg.hidden_size), _act(cfg.hidden_size), eps))]
+
+
+def _rope_write_kv_calls(rope_write_kv: Callable, step: Step) -> list[Call]:
+    cfg, batch = step.cfg, step.batch
+    q, k, v = _attention_views(cfg, step.tokens)  # q and k are normed into new tensors first
+    table = _act(MAX_SEQ_LEN, cfg.rotary_dim, dtype=torch.float32)
+    return [("", lambda: rope_write_kv(_act(*q.shape), _act(*k.shape), v, batch.positions, table, table,
+                                       _kv_cache(cfg), _kv_cache(cfg), batch.token_slots))]
+
+
+def _decode_attention_calls(decode_attention: Callable, step: Step) -> list[Call]:
+    cfg, batch = step.cfg, step.batch
+    if not batch.is_decode:
+        return []
+    q = _act(step.tokens, cfg.num_attention_heads, cfg.head_dim)
+    return [("", lambda: decode_attention(q, _kv_cache(cfg), _kv_cache(cfg), batch.slot_ids,
+                                          batch.start_positions + 1, cfg.head_dim ** -0.5))]
+
+
+def _prefill_attention_calls(prefill_attention: Callable, step: Step) -> list[Call]:
+    cfg, batch = step.cfg, step.batch
+    if batch.is_decode:
+        return []
+    q = _act(step.tokens, cfg.num_attention_heads, cfg.head_dim)
+    return [("", lambda: prefill_attention(q, _kv_cache(cfg), _kv_cache(cfg), batch.slot_ids, batch.start_positions,
+                                           batch.cu_seqlens, cfg.head_dim ** -0.5))]
+
+
+def _silu_and_mul_calls(silu_and_mul: Callable, step: Step) -> list[Call]:
+    return [("", lambda: silu_and_mul(_act(step.tokens, 2 * step.cfg.intermediate_size)))]
+
+
+def _sample_calls(sample: Callable, step: Step) -> list[Call]:
+    rows = step.sequences
+    logits = _act(rows, step.cfg.vocab_size, dtype=torch.float32)  # the model's logits are fp32
+    params = (torch.ones(rows), torch.zeros(rows, dtype=torch.int64), torch.ones(rows),
+              torch.zeros(rows, dtype=torch.int64), step.batch.positions[step.batch.last_token_indices] + 1)
+    return [("", lambda: sample(logits, *params))]
+
+
+def _conv_state(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(conv weight [conv_dim, K], conv states [slots, conv_dim, K - 1])."""
+    conv_dim, width = _gdn_sizes(cfg)[2], cfg.linear_conv_kernel_dim
+    return _act(conv_dim, width), _act(SLOTS, conv_dim, width - 1)
+
+
+def _conv1d_prefill_calls(conv1d_prefill: Callable, step: Step) -> list[Call]:
+    if not _hybrid(step.cfg) or step.batch.is_decode:
+        return []
+    qkv, _ = _gdn_in_proj(step.cfg, step.tokens)
+    return [("", lambda: conv1d_prefill(qkv, *_conv_state(step.cfg), step.batch.slot_ids, step.batch.cu_seqlens))]
+
+
+def _conv1d_decode_calls(conv1d_decode: Callable, step: Step) -> list[Call]:
+    if not _hybrid(step.cfg) or not step.batch.is_decode:
+        return []
+    qkv, _ = _gdn_in_proj(step.cfg, step.tokens)
+    return [("", lambda: conv1d_decode(qkv, *_conv_state(step.cfg), step.batch.slot_ids))]
+
+
+def _gated_delta_args(cfg: ModelConfig, tokens: int) -> tuple[torch.Tensor, ...]:
+    """(q, k, v, g, beta, states) as `DeltaNet.forward` passes them: q, k, v views of the conv output."""
+    key_dim, value_dim, conv_dim = _gdn_sizes(cfg)
+    k_heads, v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    q, k, v = _act(tokens, conv_dim).split([key_dim, key_dim, value_dim], dim=-1)
+    g, beta = _act(tokens, v_heads, dtype=torch.float32), _act(tokens, v_heads, dtype=torch.float32)
+    states = _act(SLOTS, v_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, dtype=torch.float32)
+    return (q.reshape(tokens, k_heads, -1), k.reshape(tokens, k_heads, -1), v.reshape(tokens, v_heads, -1), g, beta,
+            states)
+
+
+def _gated_delta_prefill_calls(gated_delta_prefill: Callable, step: Step) -> list[Call]:
+    batch = step.batch
+    if not _hybrid(step.cfg) or batch.is_decode:
+        return []
+    args = _gated_delta_args(step.cfg, step.tokens)
+    return [("", lambda: gated_delta_prefill(*args, batch.slot_ids, batch.start_positions, batch.cu_seqlens))]
+
+
+def _gated_delta_decode_calls(gated_delta_decode: Callable, step: Step) -> list[Call]:
+    if not _hybrid(step.cfg) or not step.batch.is_decode:
+        return []
+    args = _gated_delta_args(step.cfg, step.tokens)
+    return [("", lambda: gated_delta_decode(*args, step.batch.slot_ids))]
+
+
+def _rms_norm_gated_calls(rms_norm_gated: Callable, step: Step) -> list[Call]:
+    cfg = step.cfg
+    if not _hybrid(cfg):
+        return []
+    _, z = _gdn_in_proj(cfg, step.tokens)
+    out = _act(*z.shape)  # the gated delta rule's output
+    return [("", lambda: rms_norm_gated(out, z, _act(cfg.linear_value_head_dim), cfg.rms_norm_eps))]
+
+
+# Op table field -> the calls a step makes of it. Every op with a Triton kernel (not the embedding).
+_CALLS: dict[str, Callable[[Callable, Step], list[Call]]] = {
+    "rms_norm": _rms_norm_calls,
+    "rope_write_kv": _rope_write_kv_calls,
+    "prefill_attention": _prefill_attention_calls,
+    "decode_attention": _decode_attention_calls,
+    "silu_and_mul": _silu_and_mul_calls,
+    "linear": _linear_calls,
+    "prefill_linear": _prefill_linear_calls,
+    "sample": _sample_calls,
+    "conv1d_prefill": _conv1d_prefill_calls,
+    "conv1d_decode": _conv1d_decode_calls,
+    "gated_delta_prefill": _gated_delta_prefill_calls,
+    "gated_delta_decode": _gated_delta_decode_calls,
+    "rms_norm_gated": _rms_norm_gated_calls,
+}
+OPS = tuple(_CALLS)
+
+
+# -- capture ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One recorded kernel launch: kwargs hold the constexprs and the launch options (num_warps, ...)."""
+
+    op: str
+    shape: str
+    kernel: Any  # a triton JITFunction
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@contextmanager
+def capture() -> Iterator[list[tuple[Any, tuple[Any, ...], dict[str, Any]]]]:
+    """Kernel launches inside the block are recorded as (kernel, args, kwargs), not run."""
+    from triton.runtime.jit import JITFunction
+
+    if INTERPRETED:
+        raise RuntimeError("launches can only be captured with TRITON_INTERPRET=0 (kernels are interpreted)")
+    recorded: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+
+    def record(kernel: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:  # as JITFunction.run
+        recorded.append((kernel, args, kwargs))
+
+    with recording_launches(), mock.patch.object(JITFunction, "run", record):
+        yield recorded
+
+
+def capture_launches(ops: Sequence[str]) -> list[Launch]:
+    """Every launch the op table's launchers of `ops` make at the models' steps (and, for attention,
+    the sweep), in step order."""
+    table = get_ops("triton")
+    launches = []
+    for step in _model_steps() + _sweep_steps():
+        for op in ops:
+            if step.name.startswith("sweep") and op not in ATTENTION_OPS:
+                continue
+            for part, call in _CALLS[op](getattr(table, op), step):
+                with capture() as recorded:
+                    call()
+                label = f"{step.name}: {part}" if part else step.name
+                launches += [Launch(op, label, kernel, args, kwargs) for kernel, args, kwargs in recorded]
+    return launches
+
+
+# -- compile ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Specialization:
+    key: str  # Triton's cache key of the launch: one compile per distinct key
+    source: Any  # triton.compiler.ASTSource
+    options: Any  # the backend's options (CUDAOptions)
+
+
+def _gpu_target(target: Target) -> Any:
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda", target.capability, WARP_SIZE)
+
+
+def specialize(launch: Launch, target: Target) -> Specialization:
+    """What a launch on `target` would compile, built as `JITFunction.run` builds it but with the
+    target's backend in place of the current device's."""
+    from triton import knobs
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import compute_cache_key, create_function_from_signature
+
+    kernel = launch.kernel
+    backend = make_backend(_gpu_target(target))
+    kwargs = dict(launch.kwargs)
+    kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*launch.args, **kwargs)
+    key = compute_cache_key({}, specialization, options)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+    return Specialization(key, ASTSource(kernel, signature, constexprs, attrs), options)
+
+
+def _cuobjdump(cubin: bytes) -> str:
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        return subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", str(path)],
+                              capture_output=True, text=True, check=True).stdout
+
+
+def compile_specialization(spec: Specialization, target: Target) -> Usage:
+    """Compiles for `target` and reads the cubin's resources. Shared memory is the static amount plus
+    Triton's dynamic allocation: the driver allows at most the opt-in limit minus the static amount
+    as dynamic shared memory (sm_90 cubins hold 1 KB of static shared memory even where the kernel
+    declares none)."""
+    import triton
+
+    compiled = triton.compile(spec.source, target=_gpu_target(target), options=spec.options.__dict__)
+    usage = parse_resource_usage(_cuobjdump(compiled.asm["cubin"]), compiled.metadata.name)
+    return dataclasses.replace(usage, shared=usage.shared + compiled.metadata.shared)
+
+
+def _report(launches: list[Launch], spec: Specialization, target: Target, allow_spills: bool) -> KernelReport:
+    first = launches[0]
+    shape = first.shape + (f" (+{len(launches) - 1})" if len(launches) > 1 else "")
+    num_warps = spec.options.num_warps
+    common = dict(op=first.op, kernel=first.kernel.__name__, shape=shape, target=target.name, num_warps=num_warps)
+    try:
+        usage = compile_specialization(spec, target)
+    except Exception as exc:  # a compile error is a result to report, whatever raised it
+        message = str(exc).strip().splitlines()
+        return KernelReport(**common, regs=None, stack=None, shared=None, ok=False,
+                            reason=f"compile error: {type(exc).__name__}: {message[0] if message else ''}")
+    ok, reason = check_fit(usage, num_warps, target, allow_spills)
+    return KernelReport(**common, regs=usage.regs, stack=usage.stack, shared=usage.shared, ok=ok, reason=reason)
+
+
+def compile_launches(launches: list[Launch], target: Target, allow_spills: bool = False,
+                     progress: bool = False) -> list[KernelReport]:
+    """One report per distinct specialisation of `launches` on `target`, in first-launch order."""
+    groups: dict[tuple[int, str], tuple[Specialization, list[Launch]]] = {}
+    for launch in launches:
+        spec = specialize(launch, target)
+        groups.setdefault((id(launch.kernel), spec.key), (spec, []))[1].append(launch)
+    reports = []
+    for spec, members in groups.values():
+        start = time.perf_counter()
+        reports.append(_report(members, spec, target, allow_spills))
+        if progress:
+            print(f"{_progress_line(reports[-1])} ({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
+    return reports
+
+
+def _check_names(kind: str, names: Sequence[str], allowed: Sequence[str]) -> list[str]:
+    unknown = [name for name in names if name not in allowed]
+    if unknown:
+        raise ValueError(f"unknown {kind} {', '.join(map(repr, unknown))}; choose from {', '.join(allowed)}")
+    return list(names)
+
+
+def compile_kernels(targets: list[str], ops: list[str] | None = None, allow_spills: bool = False,
+                    progress: bool = False) -> list[KernelReport]:
+    """Compiles every kernel of `ops` (default: all of OPS) at its real launch configurations for each
+    of `targets` (names in TARGETS); `progress` prints a line per kernel to stderr."""
+    targets = _check_names("target", targets, list(TARGETS))
+    ops = _check_names("op", OPS if ops is None else ops, OPS)
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed: there is no compiler to run")
+    if INTERPRETED:
+        return _compile_in_subprocess(targets, ops, allow_spills, progress)
+    launches = capture_launches(ops)
+    return [report for name in targets for report in compile_launches(launches, TARGETS[name], allow_spills, progress)]
+
+
+def _compile_in_subprocess(targets: list[str], ops: list[str], allow_spills: bool,
+                           progress: bool) -> list[KernelReport]:
+    """`compile_kernels` in a fresh interpreter with TRITON_INTERPRET=0, importing this pocketllm.
+    TRITON_DEFAULT_FP_FUSION=1 is Triton's default, set only to silence its warning about it."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "TRITON_INTERPRET": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    command = [sys.executable, "-m", "pocketllm.lab.compile", "--json", "--target", ",".join(targets), *ops]
+    command += (["--allow-spills"] if allow_spills else []) + ([] if progress else ["--quiet"])
+    done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=None if progress else subprocess.PIPE,
+                          text=True)
+    try:
+        rows = json.loads(done.stdout)
+    except json.JSONDecodeError:
+        raise RuntimeError(f"the compile subprocess failed (exit {done.returncode}): "
+                           f"{(done.stderr or '(see its output above)')[-2000:]}") from None
+    return [KernelReport(**row) for row in rows]
+
+
+# -- output and command line --------------------------------------------------------------------
+
+_COLUMNS = ("target", "op", "kernel", "shape", "warps", "regs", "stack B", "shared B", "result")
+
+
+def _cells(report: KernelReport) -> tuple[str, ...]:
+    def number(value: int | None) -> str:
+        return "-" if value is None else str(value)
+
+    result = ("ok" if report.ok else "FAIL") + (f": {report.reason}" if report.reason else "")
+    return (report.target, report.op, report.kernel, report.shape, str(report.num_warps), number(report.regs),
+            number(report.stack), number(report.shared), result)
+
+
+def format_table(reports: Sequence[KernelReport]) -> str:
+    """A Markdown table, one row per kernel specialisation and target, columns padded to line up."""
+    rows = [_COLUMNS] + [_cells(report) for report in reports]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(cell.ljust(width) for cell, width in zip(cells, widths)) + " |"
+
+    return "\n".join([line(rows[0]), line(["-" * width for width in widths])] + [line(row) for row in rows[1:]])
+
+
+def _progress_line(report: KernelReport) -> str:
+    return f"{report.target} {report.op} {report.kernel} [{report.shape}]: {_cells(report)[-1]}"
+
+
+def _target_list(text: str) -> list[str]:
+    try:
+        return _check_names("target", [name.strip() for name in text.split(",")], list(TARGETS))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("ops", nargs="*", metavar="OP", help=f"ops to compile (default: all): {', '.join(OPS)}")
+    parser.add_argument("--target", type=_target_list, default=list(TARGETS),
+                        help=f"comma-separated GPU targets (default: {','.join(TARGETS)})")
+    parser.add_argument("--allow-spills", action="store_true",
+                        help="report spilling kernels without failing (limits that stop a launch still fail)")
+    parser.add_argument("--json", action="store_true", help="print the reports as JSON instead of a table")
+    parser.add_argument("--quiet", action="store_true", help="no progress line per kernel on stderr")
+
+
+DESCRIPTION = ("Compile every Triton kernel at its real launch configurations for NVIDIA GPU targets, on the CPU, "
+               "and report registers, spills and shared memory per kernel. Exit status 1 when a kernel fails to "
+               "compile, spills, or exceeds the target's shared memory or registers.")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Adds `compile` to a command line's subparsers (`pocketllm lab compile`); it runs `run`."""
+    parser = subparsers.add_parser("compile", help="compile the Triton kernels for GPU targets and report "
+                                                   "their resources", description=DESCRIPTION)
+    _add_arguments(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """The command: the table (or JSON) on stdout; 0 when every kernel fits, else 1."""
+    start = time.perf_counter()
+    reports = compile_kernels(args.target, args.ops or None, args.allow_spills, progress=not args.quiet)
+    failing = sum(not report.ok for report in reports)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(report) for report in reports]))
+    else:
+        print(format_table(reports))
+        print(f"\n{len(reports)} kernel specialisations compiled for {', '.join(args.target)} in "
+              f"{time.perf_counter() - start:.0f} s; {failing} failing")
+    return 1 if failing else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pocketllm.lab.compile", description=DESCRIPTION)
+    _add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        _check_names("op", args.ops, OPS)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
