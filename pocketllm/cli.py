@@ -1,4 +1,4 @@
-"""`pocketllm` command line: demo, generate, make-checkpoint, bench."""
+"""`pocketllm` command line: demo, generate, make-checkpoint, bench, lab."""
 
 from __future__ import annotations
 
@@ -177,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="throughput and latency benchmark (see `pocketllm bench --help`)",
                            add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of the benchmark")
+
+    from .lab.cli import add_parser as add_lab_parser
+
+    add_lab_parser(sub)
     return parser
 
 

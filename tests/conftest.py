@@ -25,6 +25,27 @@ settings.register_profile("thorough", max_examples=400, **_RELAXED)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--impl", action="append", default=[], metavar="OP=SPEC",
+                     help="run the kernel tests on this implementation of OP: a registered name or "
+                          "package.module:function (repeatable)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Each --impl OP=SPEC is resolved (checked against the op's signature) and registered as the
+    op's "under_test" implementation, which the kernel tests take (tests/kernels/kernel_impls.py)."""
+    from pocketllm.kernels.registry import register, resolve
+
+    for item in config.getoption("impl"):
+        op, sep, spec = item.partition("=")
+        if not sep or not spec:
+            raise pytest.UsageError(f"--impl takes OP=SPEC, e.g. decode_attention=mypkg.mymod:my_decode; got {item!r}")
+        try:
+            register(op, "under_test", resolve(op, spec))
+        except (ImportError, AttributeError, ValueError, TypeError) as exc:
+            raise pytest.UsageError(f"--impl {item}: {exc}") from exc
+
+
 def budget(fraction: float = 1.0) -> int:
     """Examples for one property: `fraction` of the active profile's max_examples (at least 1)."""
     return max(1, int(settings().max_examples * fraction))

@@ -170,3 +170,34 @@ def check_kernel(op: str, impl: ImplSpec, vs: Iterable[ImplSpec] = (), device: t
         if case.splittable:
             verdict.findings += split_findings(case, fn, device)
     return verdict
+
+
+# Ops only the Qwen3.5 hybrid layers call; every other op runs in both model families.
+HYBRID_ONLY = ("conv1d_prefill", "conv1d_decode", "gated_delta_prefill", "gated_delta_decode", "rms_norm_gated")
+
+
+def engine_presets(op: str) -> tuple[str, ...]:
+    """The tiny presets whose engines call `op`."""
+    return ("qwen3.5-tiny",) if op in HYBRID_ONLY else ("tiny", "qwen3.5-tiny")
+
+
+def check(op: str, impl: ImplSpec, vs: Iterable[ImplSpec] = (), device: torch.device | str = "cpu",
+          dtypes: tuple[torch.dtype, ...] | None = None, examples: int = 10, parity: bool = True) -> Verdict:
+    """Every check of `impl` as op `op`: the op-level checks of `check_kernel`, then, with the
+    implementation installed in whole engines on each tiny preset that calls the op, the
+    invariance property (`examples` Hypothesis examples; 0 skips it) and greedy parity against
+    `transformers`."""
+    verdict = check_kernel(op, impl, vs, device, dtypes)
+    fn = resolve(op, impl)
+    if examples or parity:
+        from .engine import engine_property, greedy_parity  # needs hypothesis / transformers: the dev extra
+
+        for preset in engine_presets(op):
+            if examples:
+                error = engine_property({op: fn}, preset, examples)
+                verdict.findings.append(Finding("engine invariance property", f"{preset}, {examples} examples",
+                                                error is None, error or ""))
+            if parity:
+                error = greedy_parity({op: fn}, preset)
+                verdict.findings.append(Finding("greedy parity vs transformers", preset, error is None, error or ""))
+    return verdict
