@@ -1,12 +1,8 @@
-"""Kernel-vs-reference tolerances, per dtype, in one place (atol, rtol)."""
+"""Kernel-vs-reference tolerances: the lab's one table (`pocketllm.lab.compare.TOLERANCES`)."""
 
 import torch
 
-TOLERANCES = {
-    torch.float32: dict(atol=1e-4, rtol=1e-4),
-    torch.float16: dict(atol=2e-3, rtol=2e-3),
-    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
-}
+from pocketllm.lab.compare import TOLERANCES
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None) -> None:
