@@ -42,7 +42,7 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--impl takes OP=SPEC, e.g. decode_attention=mypkg.mymod:my_decode; got {item!r}")
         try:
             register(op, "under_test", resolve(op, spec))
-        except (ImportError, AttributeError, ValueError, TypeError) as exc:
+        except (ImportError, ValueError, TypeError) as exc:
             raise pytest.UsageError(f"--impl {item}: {exc}") from exc
 
 

@@ -146,14 +146,14 @@ def resolve(op: str, spec: ImplSpec) -> Callable[..., Any]:
 
 
 def import_path(spec: str) -> Callable[..., Any]:
-    """The object at "package.module:attr[.attr...]"; ImportError/AttributeError name what is missing."""
+    """The object at "package.module:attr[.attr...]"; ImportError names what is missing."""
     module_name, _, attr_path = spec.partition(":")
     if not module_name or not attr_path:
         raise ValueError(f"an import path must look like 'package.module:function', got {spec!r}")
     obj: Any = importlib.import_module(module_name)
     for attr in attr_path.split("."):
         if not hasattr(obj, attr):
-            raise AttributeError(f"{spec!r}: {module_name} has no attribute {attr_path!r}")
+            raise ImportError(f"{spec!r}: {module_name} has no attribute {attr_path!r}")
         obj = getattr(obj, attr)
     return obj
 
@@ -167,7 +167,7 @@ def check_overrides(overrides: Mapping[str, ImplSpec], field: str = "op_override
         check_op_name(op, f"a key of {field}")
         try:
             resolved[op] = resolve(op, spec)
-        except (ImportError, AttributeError, ValueError, TypeError) as exc:
+        except (ImportError, ValueError, TypeError) as exc:
             raise type(exc)(f"{field}[{op!r}]: {exc}") from exc
     return resolved
 

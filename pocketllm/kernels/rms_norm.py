@@ -52,13 +52,13 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     shape, h = x.shape, x.shape[-1]
     if weight.shape != (h,):
         raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({h},)")
+    out = torch.empty(shape, dtype=torch.result_type(weight, x), device=x.device)
+    if out.numel() == 0:
+        return out
     if x.dim() < 2 or x.stride(-1) != 1:
         x = x.reshape(-1, h).contiguous()
     view = x.reshape(-1, x.shape[-2], h)  # a view whenever the leading dims can merge; else a copy
-    out = torch.empty(shape, dtype=torch.result_type(weight, x), device=x.device)
     rows = view.shape[0] * view.shape[1]
-    if rows == 0:
-        return out
     _rms_norm_kernel[(rows,)](view, weight, out, view.shape[1], view.stride(0), view.stride(1), h, eps,
                               BLOCK=triton.next_power_of_2(h))
     return out

@@ -152,7 +152,8 @@ LAYOUTS: dict[str, Layout] = {
             "k_cache": torch.zeros(dims["max_len"], dims["kv_heads"], dims["head_dim"], dtype=dtype),
             "v_cache": torch.zeros(dims["max_len"], dims["kv_heads"], dims["head_dim"], dtype=dtype)},
         lambda gen, dims, dtype: dict(zip(("cos", "sin"), rope_table(dims["head_dim"], dims["max_len"], 1e6))),
-        [({**heads, "max_len": 80}, [(5, 0), (1, 17), (3, 70)]) for heads in HEADS], splittable=True),
+        [({**heads, "max_len": 80}, seqs) for heads in HEADS for seqs in ([(1, 0)], [(5, 0), (1, 17), (3, 70)])],
+        splittable=True),
     "prefill_attention": Layout(
         lambda gen, n, dims, dtype: {"q": _randn(gen, n, dims["heads"], dims["head_dim"], dtype=dtype)},
         _kv_slot, _attention_shared,
@@ -212,15 +213,16 @@ class Packed:
 
 def pack(case: Case, members: list[Member], slot_order: list[int], device: torch.device | str) -> Packed:
     """Members laid out as the engine lays out a batch; member i lives in slot slot_order[i]
-    (slots not used by any member hold zeros)."""
+    (slots not used by any member hold zeros). No members: an empty batch of the case's shapes."""
+    template = members[0] if members else case.members[0]
     bounds = [0]
     for m in members:
         bounds.append(bounds[-1] + m.n)
     args: dict[str, Any] = {}
-    for name in members[0].tokens:
-        args[name] = torch.cat([m.tokens[name] for m in members]).to(device)
+    for name, like in template.tokens.items():
+        args[name] = torch.cat([like[:0]] + [m.tokens[name] for m in members]).to(device)
     num_slots = max(slot_order, default=0) + 1
-    for name, content in members[0].slots.items():
+    for name, content in template.slots.items():
         cache = torch.zeros(num_slots, *content.shape, dtype=content.dtype)
         for m, slot in zip(members, slot_order):
             cache[slot] = m.slots[name]
@@ -237,7 +239,7 @@ def pack(case: Case, members: list[Member], slot_order: list[int], device: torch
     args["token_slots"] = column([slot for m, slot in zip(members, slot_order) for _ in range(m.n)])
     for name, value in case.shared.items():
         args[name] = value.to(device) if isinstance(value, torch.Tensor) else value
-    return Packed(args, list(zip(bounds, bounds[1:])), slot_order[:len(members)], list(members[0].slots))
+    return Packed(args, list(zip(bounds, bounds[1:])), slot_order[:len(members)], list(template.slots))
 
 
 def call(op: str, impl: Callable[..., Any], packed: Packed) -> Any:

@@ -92,6 +92,21 @@ def reference_findings(case: Case, impl: Callable[..., Any], ref: Callable[..., 
         lambda a, e: close_error(a, e, case.dtype)))
 
 
+def empty_findings(case: Case, impl: Callable[..., Any], ref: Callable[..., Any],
+                   device: torch.device | str) -> Finding:
+    """An empty batch (no rows, no sequences) returns what the reference returns: empty results
+    of the same shapes and dtypes, and no error."""
+    def body() -> str | None:
+        got, want = (call(case.op, fn, pack(case, [], [], device)) for fn in (impl, ref))
+        got_list = list(got) if isinstance(got, tuple) else [got]
+        want_list = list(want) if isinstance(want, tuple) else [want]
+        for i, (g, w) in enumerate(zip(got_list, want_list)):
+            if g.shape != w.shape or g.dtype != w.dtype:
+                return f"result {i}: {g.dtype}{list(g.shape)}, the reference gives {w.dtype}{list(w.shape)}"
+        return None
+    return _guarded("empty batch", case, body)
+
+
 def batch_findings(case: Case, impl: Callable[..., Any], device: torch.device | str) -> Finding:
     """Each member alone (slot 0) and in the batch (forward and reversed) bitwise equal."""
     def body() -> str | None:
@@ -151,25 +166,36 @@ def describe(spec: ImplSpec) -> str:
 
 
 def check_kernel(op: str, impl: ImplSpec, vs: Iterable[ImplSpec] = (), device: torch.device | str = "cpu",
-                 dtypes: tuple[torch.dtype, ...] | None = None) -> Verdict:
+                 dtypes: tuple[torch.dtype, ...] | None = None, cases: list[Case] | None = None,
+                 invariance: bool = True) -> Verdict:
     """The op-level checks of `impl` (a registered name, "module:function" or a callable): the
-    reference on the case grid, against every implementation in `vs`, batch and split invariance."""
+    reference on the case grid (`cases`, default: the op's grid in `dtypes`), against every
+    implementation in `vs`, and (with `invariance`) batch and split invariance."""
     check_op_name(op)
     fn = resolve(op, impl)
-    if dtypes is None:
-        dtypes = (torch.float32, torch.float16, torch.bfloat16) if torch.device(device).type == "cuda" \
-            else (torch.float32, torch.float16)
+    if cases is None:
+        cases = op_cases(op, dtypes or default_dtypes(device))
     verdict = Verdict(op, describe(impl))
     ref = IMPLEMENTATIONS[op]["ref"]
     others = [(describe(spec), resolve(op, spec)) for spec in vs]
-    for case in op_cases(op, dtypes):
+    for dtype in dict.fromkeys(case.dtype for case in cases):
+        verdict.findings.append(empty_findings(next(c for c in cases if c.dtype == dtype), fn, ref, device))
+    for case in cases:
         verdict.findings.append(reference_findings(case, fn, ref, "reference", device))
         for name, other in others:
             verdict.findings.append(reference_findings(case, fn, other, f"vs {name}", device))
-        verdict.findings.append(batch_findings(case, fn, device))
-        if case.splittable:
-            verdict.findings += split_findings(case, fn, device)
+        if invariance:
+            verdict.findings.append(batch_findings(case, fn, device))
+            if case.splittable:
+                verdict.findings += split_findings(case, fn, device)
     return verdict
+
+
+def default_dtypes(device: torch.device | str) -> tuple[torch.dtype, ...]:
+    """fp32 and fp16 everywhere; bf16 too on CUDA (the Triton interpreter has no bf16)."""
+    if torch.device(device).type == "cuda":
+        return torch.float32, torch.float16, torch.bfloat16
+    return torch.float32, torch.float16
 
 
 # Ops only the Qwen3.5 hybrid layers call; every other op runs in both model families.
@@ -182,17 +208,18 @@ def engine_presets(op: str) -> tuple[str, ...]:
 
 
 def check(op: str, impl: ImplSpec, vs: Iterable[ImplSpec] = (), device: torch.device | str = "cpu",
-          dtypes: tuple[torch.dtype, ...] | None = None, examples: int = 10, parity: bool = True) -> Verdict:
+          dtypes: tuple[torch.dtype, ...] | None = None, examples: int = 10, parity: bool = True,
+          presets: tuple[str, ...] | None = None) -> Verdict:
     """Every check of `impl` as op `op`: the op-level checks of `check_kernel`, then, with the
-    implementation installed in whole engines on each tiny preset that calls the op, the
-    invariance property (`examples` Hypothesis examples; 0 skips it) and greedy parity against
-    `transformers`."""
+    implementation installed in whole engines on each preset (default: each tiny preset that calls
+    the op), the invariance property (`examples` Hypothesis examples; 0 skips it) and greedy
+    parity against `transformers`."""
     verdict = check_kernel(op, impl, vs, device, dtypes)
     fn = resolve(op, impl)
     if examples or parity:
         from .engine import engine_property, greedy_parity  # needs hypothesis / transformers: the dev extra
 
-        for preset in engine_presets(op):
+        for preset in presets or engine_presets(op):
             if examples:
                 error = engine_property({op: fn}, preset, examples)
                 verdict.findings.append(Finding("engine invariance property", f"{preset}, {examples} examples",

@@ -8,6 +8,7 @@ import random
 import threading
 
 import pytest
+import torch
 from conftest import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -147,3 +148,24 @@ def test_batched_equals_serial_property_at_realistic_width(realistic_engines, wo
     row tiles and multi-threaded kernels; every request equals its serial run bit for bit."""
     jobs_, max_batch_size = workload
     assert mismatches(realistic_engines, jobs_, max_batch_size) == []
+
+
+# The Triton backend, kernels and all: compiled on CUDA, interpreted (slowly) on the CPU, so
+# there it gets a few short workloads per model family and CUDA gets the profile's budget.
+TRITON_EXAMPLES = budget(1.0 if torch.cuda.is_available() else 0.1)
+
+
+@pytest.fixture(scope="module", params=["tiny", "qwen3.5"])
+def triton_engines(request, checkpoint_dir):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engines = Engines(checkpoint_dir(request.param), engine_args={"backend": "triton", "device": device})
+    yield engines
+    engines.close()
+
+
+@settings(max_examples=TRITON_EXAMPLES)
+@given(workload=workloads_of(VOCAB, max_prompt=24, max_jobs=5))
+def test_triton_backend_batched_equals_serial_bitwise(triton_engines, workload):
+    """The contract on the Triton backend: every request equals its serial run, bit for bit."""
+    jobs_, max_batch_size = workload
+    assert mismatches(triton_engines, jobs_, max_batch_size) == []

@@ -1,0 +1,40 @@
+"""Every registered implementation of every op through the lab's op-level checks, on the op's
+case grid: against the reference within the one tolerance table, and (for the implementations an
+invariant engine runs, and any `--impl` under test) each member bitwise the same alone and in any
+batch, and prefill pieces bitwise the same as one piece. Interpreted Triton kernels run in fp32 on
+every other case (the interpreter is slow; tests/kernels/test_*_triton.py cover them further)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_impls import DEVICE, UNDER_TEST
+
+from pocketllm.kernels import backend_impls
+from pocketllm.kernels.registry import IMPLEMENTATIONS, OP_NAMES
+from pocketllm.lab.cases import op_cases
+from pocketllm.lab.check import check_kernel, default_dtypes
+
+# (op, implementation) pairs the engine runs when it promises invariance, plus the one under test.
+INVARIANT = {(op, name) for backend, flags in (("torch", (True, False)), ("torch", (True, True)), ("triton", ()))
+             for op, name in backend_impls(backend, *flags).items()} | {(op, UNDER_TEST) for op in OP_NAMES}
+PAIRS = [(op, name) for op in OP_NAMES for name in IMPLEMENTATIONS[op]]
+
+
+@pytest.mark.parametrize("op, impl", PAIRS, ids=[f"{op}-{name}" for op, name in PAIRS])
+def test_implementation_passes_the_op_checks(op, impl):
+    interpreted = DEVICE == "cpu" and impl in ("triton", UNDER_TEST) and op != "embedding"
+    cases = op_cases(op, (torch.float32,))[::2] if interpreted else op_cases(op, default_dtypes(DEVICE))
+    verdict = check_kernel(op, impl, device=DEVICE, cases=cases, invariance=(op, impl) in INVARIANT)
+    assert verdict.ok, verdict.table()
+
+
+def test_the_grids_cover_the_promised_shapes():
+    """Empty-free grids with a one-member case, several members, and (prefill ops) a sequence
+    long enough to be cut at an aligned position."""
+    for op in OP_NAMES:
+        cases = op_cases(op, (torch.float32,))
+        assert any(len(c.members) == 1 for c in cases), op
+        assert any(len(c.members) >= 3 for c in cases), op
+        if cases[0].splittable:
+            assert any(m.start + m.n > 64 > m.start for c in cases for m in c.members), op

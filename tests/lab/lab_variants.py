@@ -1,0 +1,35 @@
+"""Variants defined outside the package, as a kernel developer would write them: two correct,
+two deliberately broken in the ways the lab must catch."""
+
+import torch
+import torch.nn.functional as F
+
+from pocketllm.kernels.decode_attention import decode_attention_ref
+from pocketllm.kernels.linear import linear_per_row
+
+
+def silu_and_mul_split(gate_up: torch.Tensor) -> torch.Tensor:
+    """Correct: silu(gate) * up, one row at a time (each row its own computation)."""
+    half = gate_up.shape[-1] // 2
+    rows = [F.silu(row[None, :half].float()).to(gate_up.dtype) * row[None, half:] for row in gate_up]
+    return torch.cat(rows) if rows else gate_up[:, :half].clone()
+
+
+def decode_attention_one_key_short(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                   slot_ids: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Broken: attends to every key but the newest one (seq_len - 1 keys)."""
+    return decode_attention_ref(q, k_cache, v_cache, slot_ids, (seq_lens - 1).clamp(min=1), scale)
+
+
+def linear_batch_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Broken: one GEMM for small batches, rows one by one from 4 rows up — so a row's tile, and
+    with it its bits, depends on how many rows share the call."""
+    if x.shape[0] >= 4:
+        return linear_per_row(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def decode_attention_wrong_signature(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                     slot_ids: torch.Tensor, scale: float) -> torch.Tensor:
+    """Broken: no seq_lens parameter."""
+    return q

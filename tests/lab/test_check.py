@@ -1,0 +1,79 @@
+"""`pocketllm lab check`: a variant defined outside the package gets its verdict with no edit to
+pocketllm/, and broken variants fail with the name of the check they fail and by how much."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pocketllm.cli import main
+from pocketllm.lab.check import check, check_kernel
+
+FP32 = (torch.float32,)
+
+
+def test_a_correct_variant_passes_every_check():
+    verdict = check("silu_and_mul", "lab_variants:silu_and_mul_split", vs=["triton"], dtypes=FP32, examples=3,
+                    presets=("tiny",))
+    checks = [name for name, _, _ in verdict.summary()]
+    assert verdict.ok, verdict.table()
+    assert checks == ["empty batch", "reference", "vs triton", "batch invariance", "engine invariance property",
+                      "greedy parity vs transformers"]
+
+
+def test_the_engine_checks_run_on_every_model_family_that_calls_the_op():
+    from pocketllm.lab.check import engine_presets
+
+    assert engine_presets("silu_and_mul") == ("tiny", "qwen3.5-tiny")
+    assert engine_presets("gated_delta_decode") == ("qwen3.5-tiny",)
+
+
+def test_one_key_short_fails_the_reference_check_with_the_size_of_the_error():
+    verdict = check_kernel("decode_attention", "lab_variants:decode_attention_one_key_short", dtypes=FP32)
+    failed = {f.check for f in verdict.findings if not f.ok}
+    assert failed == {"reference"}
+    assert "max |diff|" in verdict.table() and "FAIL" in verdict.table()
+
+
+def test_a_batch_dependent_tile_fails_batch_invariance_only():
+    verdict = check_kernel("linear", "lab_variants:linear_batch_tiled", dtypes=FP32)
+    failed = {f.check for f in verdict.findings if not f.ok}
+    assert failed == {"batch invariance"}
+    assert "differ in their bits" in verdict.table()
+
+
+def test_split_invariance_catches_a_prefill_that_depends_on_the_piece():
+    """The unfused reference attention is not split-exact (its score matmul changes shape with the
+    piece), which the split check sees; the fused kernel the engine runs is."""
+    ref = check_kernel("prefill_attention", "ref", dtypes=FP32)
+    assert {f.check for f in ref.findings if not f.ok} == {"split invariance"}
+    assert check_kernel("prefill_attention", "fused", dtypes=FP32).ok
+
+
+def test_cli_exit_status_and_table(capsys):
+    code = main(["lab", "check", "decode_attention", "--impl", "lab_variants:decode_attention_one_key_short",
+                 "--examples", "0", "--no-parity", "--dtypes", "float32"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "| reference |" in out and "failed:" in out and "reference [" in out
+    code = main(["lab", "check", "silu_and_mul", "--impl", "lab_variants:silu_and_mul_split", "--examples", "0",
+                 "--no-parity", "--dtypes", "float32"])
+    assert code == 0, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["decode_attention", "--impl", "lab_variants:decode_attention_wrong_signature"], "missing parameter 'scale'"),
+    (["decode_attention", "--impl", "lab_variants:nothing_here"], "has no attribute 'nothing_here'"),
+    (["decode_attention", "--impl", "no_such"], "must be one of ('ref', 'fused', 'triton')"),
+    (["decode_attention", "--examples", "-1"], "--examples must be >= 0"),
+])
+def test_cli_errors_name_the_problem(argv, message, capsys):
+    assert main(["lab", "check", *argv, "--no-parity"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_rejects_an_unknown_op(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["lab", "check", "flash_attention"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'flash_attention'" in capsys.readouterr().err
