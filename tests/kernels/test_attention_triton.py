@@ -13,10 +13,14 @@ import torch
 from conftest import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_impls import DEVICE, implementation
 from kernel_tolerances import assert_close
 
 from pocketllm.kernels.decode_attention import DECODE_BLOCK_N, decode_attention_ref, decode_attention_triton
-from pocketllm.kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
+from pocketllm.kernels.prefill_attention import prefill_attention_ref
+
+decode_attention_impl = implementation("decode_attention")
+prefill_attention_impl = implementation("prefill_attention")
 
 DTYPES = [torch.float32, torch.float16]
 LENGTHS = (1, 2, 17, 63, 64, 65, 130)
@@ -25,7 +29,7 @@ HEAD_CONFIGS = [(2, 2, 32), (4, 2, 64), (4, 1, 128), (4, 2, 24), (8, 2, 16)]
 
 
 def _cache(num_slots: int, max_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-           seed: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+           seed: int, device: str = DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
     """Random K and V caches [slots, max_len, Hkv, D]."""
     gen = torch.Generator().manual_seed(seed)
     shape = (num_slots, max_len, num_kv_heads, head_dim)
@@ -40,7 +44,7 @@ def _poison_past(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: list[int],
         v_cache[slot, end:] = float("nan")
 
 
-def _decode_case(lengths, num_heads, num_kv_heads, head_dim, dtype, seed=0, device="cpu"):
+def _decode_case(lengths, num_heads, num_kv_heads, head_dim, dtype, seed=0, device=DEVICE):
     """q [B, Hq, D] and caches where sequence i (length lengths[i]) sits in slot B - i (slots in
     reverse batch order, slot 0 unused); cache positions past each sequence's end are NaN."""
     batch = len(lengths)
@@ -53,7 +57,7 @@ def _decode_case(lengths, num_heads, num_kv_heads, head_dim, dtype, seed=0, devi
     return q, k_cache, v_cache, torch.tensor(slots, **as_long), torch.tensor(lengths, **as_long)
 
 
-def _prefill_case(lengths, starts, num_heads, num_kv_heads, head_dim, dtype, seed=0, device="cpu"):
+def _prefill_case(lengths, starts, num_heads, num_kv_heads, head_dim, dtype, seed=0, device=DEVICE):
     """Concatenated q [T, Hq, D] for sequences of lengths[i] new tokens after starts[i] cached ones,
     caches (sequence i in slot B - i) with NaN past each sequence's end, and cu_seqlens."""
     batch = len(lengths)
@@ -71,13 +75,21 @@ def _prefill_case(lengths, starts, num_heads, num_kv_heads, head_dim, dtype, see
             torch.tensor(cu, **as_long))
 
 
-def _one_sequence(slot: int, start: int, length: int, device="cpu"):
+def _one_sequence(slot: int, start: int, length: int, device=DEVICE):
     """slot_ids, start_positions, cu_seqlens of a single prefill sequence."""
     as_long = dict(dtype=torch.int64, device=device)
     return torch.tensor([slot], **as_long), torch.tensor([start], **as_long), torch.tensor([0, length], **as_long)
 
 
 # -- decode -----------------------------------------------------------------------------------------
+
+
+def _decode(q, k_cache, v_cache, slot_ids, seq_lens, scale, split_size):
+    """The decode implementation under test. `split_size` is an option of the Triton launcher (small
+    splits make short sequences span several): it is passed only when that launcher is under test."""
+    if decode_attention_impl is decode_attention_triton:
+        return decode_attention_triton(q, k_cache, v_cache, slot_ids, seq_lens, scale, split_size=split_size)
+    return decode_attention_impl(q, k_cache, v_cache, slot_ids, seq_lens, scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -87,7 +99,7 @@ def test_decode_matches_reference(dtype, num_heads, num_kv_heads, head_dim):
     sequence's end (NaN there), agree with decode_attention_ref."""
     q, k, v, slots, lens = _decode_case(LENGTHS, num_heads, num_kv_heads, head_dim, dtype)
     scale = head_dim ** -0.5
-    out = decode_attention_triton(q, k, v, slots, lens, scale, split_size=64)
+    out = _decode(q, k, v, slots, lens, scale, split_size=64)
     assert out.dtype == dtype and out.shape == q.shape
     assert_close(out, decode_attention_ref(q, k, v, slots, lens, scale))
 
@@ -96,7 +108,7 @@ def test_decode_matches_reference(dtype, num_heads, num_kv_heads, head_dim):
 def test_decode_default_split_size_matches_reference(dtype):
     """The default split size (256), with sequences of one split, exactly one and several splits."""
     q, k, v, slots, lens = _decode_case((1, 255, 256, 257, 600), 2, 1, 32, dtype, seed=3)
-    assert_close(decode_attention_triton(q, k, v, slots, lens, 0.2), decode_attention_ref(q, k, v, slots, lens, 0.2))
+    assert_close(decode_attention_impl(q, k, v, slots, lens, 0.2), decode_attention_ref(q, k, v, slots, lens, 0.2))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -105,15 +117,15 @@ def test_decode_is_batch_and_slot_invariant(dtype):
     with very different lengths (so different split counts and grid sizes)."""
     lengths = LENGTHS + (300,)
     q, k, v, slots, lens = _decode_case(lengths, 4, 2, 24, dtype, seed=5)
-    batched = decode_attention_triton(q, k, v, slots, lens, 0.3, split_size=64)
+    batched = _decode(q, k, v, slots, lens, 0.3, split_size=64)
     spare = len(lengths) + 1  # a slot no sequence of the batch uses
     k_moved, v_moved = torch.cat([k, torch.zeros_like(k[:1])]), torch.cat([v, torch.zeros_like(v[:1])])
     for i in range(len(lengths)):
-        alone = decode_attention_triton(q[i:i + 1], k, v, slots[i:i + 1], lens[i:i + 1], 0.3, split_size=64)
+        alone = _decode(q[i:i + 1], k, v, slots[i:i + 1], lens[i:i + 1], 0.3, split_size=64)
         assert torch.equal(alone, batched[i:i + 1])
         k_moved[spare], v_moved[spare] = k[slots[i]], v[slots[i]]
-        moved = decode_attention_triton(q[i:i + 1], k_moved, v_moved, torch.tensor([spare]), lens[i:i + 1], 0.3,
-                                        split_size=64)
+        moved = _decode(q[i:i + 1], k_moved, v_moved, torch.tensor([spare], device=DEVICE), lens[i:i + 1], 0.3,
+                        split_size=64)
         assert torch.equal(moved, alone)
 
 
@@ -136,7 +148,7 @@ def test_prefill_matches_reference(dtype, num_heads, num_kv_heads, head_dim):
     sequence's end (NaN there), agrees with prefill_attention_ref."""
     q, k, v, slots, starts, cu = _prefill_case(LENGTHS, PREFILL_STARTS, num_heads, num_kv_heads, head_dim, dtype)
     scale = head_dim ** -0.5
-    out = prefill_attention_triton(q, k, v, slots, starts, cu, scale)
+    out = prefill_attention_impl(q, k, v, slots, starts, cu, scale)
     assert out.dtype == dtype and out.shape == q.shape
     assert_close(out, prefill_attention_ref(q, k, v, slots, starts, cu, scale))
 
@@ -145,10 +157,10 @@ def test_prefill_matches_reference(dtype, num_heads, num_kv_heads, head_dim):
 def test_prefill_is_batch_invariant(dtype):
     """A sequence prefilled alone gives bitwise its rows inside a varlen batch of others."""
     q, k, v, slots, starts, cu = _prefill_case(LENGTHS, PREFILL_STARTS, 2, 1, 24, dtype, seed=7)
-    batched = prefill_attention_triton(q, k, v, slots, starts, cu, 0.3)
+    batched = prefill_attention_impl(q, k, v, slots, starts, cu, 0.3)
     for i in range(len(LENGTHS)):
         lo, hi = int(cu[i]), int(cu[i + 1])
-        alone = prefill_attention_triton(q[lo:hi], k, v, *_one_sequence(int(slots[i]), int(starts[i]), hi - lo), 0.3)
+        alone = prefill_attention_impl(q[lo:hi], k, v, *_one_sequence(int(slots[i]), int(starts[i]), hi - lo), 0.3)
         assert torch.equal(alone, batched[lo:hi])
 
 
@@ -156,9 +168,9 @@ def _one_vs_two_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: 
     """Prefill of prompt q (in `slot`) in one piece, and in two: q[:split], then q[split:] at
     start_position split over the cache holding the first piece."""
     n, device = q.shape[0], q.device
-    whole = prefill_attention_triton(q, k, v, *_one_sequence(slot, 0, n, device), scale)
-    first = prefill_attention_triton(q[:split], k, v, *_one_sequence(slot, 0, split, device), scale)
-    second = prefill_attention_triton(q[split:], k, v, *_one_sequence(slot, split, n - split, device), scale)
+    whole = prefill_attention_impl(q, k, v, *_one_sequence(slot, 0, n, device), scale)
+    first = prefill_attention_impl(q[:split], k, v, *_one_sequence(slot, 0, split, device), scale)
+    second = prefill_attention_impl(q[split:], k, v, *_one_sequence(slot, split, n - split, device), scale)
     return whole, torch.cat([first, second])
 
 
@@ -196,10 +208,10 @@ def test_gpu_decode_matches_reference_and_is_batch_invariant(split_size):
     sequence alone equals its output in the batch bitwise."""
     q, k, v, slots, lens = _decode_case(GPU_DECODE_LENGTHS, dtype=torch.bfloat16, device="cuda", **GPU_HEADS)
     scale = 128 ** -0.5
-    out = decode_attention_triton(q, k, v, slots, lens, scale, split_size=split_size)
+    out = _decode(q, k, v, slots, lens, scale, split_size=split_size)
     assert_close(out, decode_attention_ref(q, k, v, slots, lens, scale))
     for i in range(len(GPU_DECODE_LENGTHS)):
-        alone = decode_attention_triton(q[i:i + 1], k, v, slots[i:i + 1], lens[i:i + 1], scale, split_size=split_size)
+        alone = _decode(q[i:i + 1], k, v, slots[i:i + 1], lens[i:i + 1], scale, split_size=split_size)
         assert torch.equal(alone, out[i:i + 1])
 
 
@@ -211,12 +223,12 @@ def test_gpu_prefill_matches_reference_and_is_batch_invariant():
     lengths, starts = (4096, 1, 17, 1000, 2500, 64, 65, 300), (0, 0, 100, 3000, 1, 0, 4000, 63)
     q, k, v, slots, starts_t, cu = _prefill_case(lengths, starts, dtype=torch.bfloat16, device="cuda", **GPU_HEADS)
     scale = 128 ** -0.5
-    out = prefill_attention_triton(q, k, v, slots, starts_t, cu, scale)
+    out = prefill_attention_impl(q, k, v, slots, starts_t, cu, scale)
     assert_close(out, prefill_attention_ref(q, k, v, slots, starts_t, cu, scale))
     for i in range(len(lengths)):
         lo, hi = int(cu[i]), int(cu[i + 1])
-        alone = prefill_attention_triton(q[lo:hi], k, v, *_one_sequence(int(slots[i]), starts[i], hi - lo, "cuda"),
-                                         scale)
+        alone = prefill_attention_impl(q[lo:hi], k, v, *_one_sequence(int(slots[i]), starts[i], hi - lo, "cuda"),
+                                       scale)
         assert torch.equal(alone, out[lo:hi])
 
 

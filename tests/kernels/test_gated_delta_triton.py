@@ -12,11 +12,15 @@ import torch.nn.functional as F
 from conftest import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_impls import DEVICE, implementation
 from kernel_tolerances import assert_close
 
 from pocketllm.kernels._gated_delta import CHUNK_SIZE
-from pocketllm.kernels.gated_delta_decode import gated_delta_decode_ref, gated_delta_decode_triton
-from pocketllm.kernels.gated_delta_prefill import gated_delta_prefill_ref, gated_delta_prefill_triton
+from pocketllm.kernels.gated_delta_decode import gated_delta_decode_ref
+from pocketllm.kernels.gated_delta_prefill import gated_delta_prefill_ref
+
+gated_delta_prefill_impl = implementation("gated_delta_prefill")
+gated_delta_decode_impl = implementation("gated_delta_decode")
 
 # Sequence lengths / start positions of one prefill call: lengths 1..130, starts off the chunk grid.
 LENGTHS = [1, 2, 17, 63, 64, 65, 130]
@@ -27,7 +31,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _inputs(tokens: int, key_heads: int, v_heads: int, dim_k: int, dim_v: int, dtype: torch.dtype, seed: int,
-            device: str = "cpu") -> tuple[torch.Tensor, ...]:
+            device: str = DEVICE) -> tuple[torch.Tensor, ...]:
     """q/k/v as strided views of one fused [T, ...] projection (as the model makes them), g in
     (-inf, 0] with many decays near 1, beta in (0, 1)."""
     gen = torch.Generator().manual_seed(seed)
@@ -40,7 +44,7 @@ def _inputs(tokens: int, key_heads: int, v_heads: int, dim_k: int, dim_v: int, d
             v.reshape(tokens, v_heads, dim_v), g, beta)
 
 
-def _states(num_slots: int, v_heads: int, dim_k: int, dim_v: int, seed: int, device: str = "cpu") -> torch.Tensor:
+def _states(num_slots: int, v_heads: int, dim_k: int, dim_v: int, seed: int, device: str = DEVICE) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return (0.3 * torch.randn(num_slots, v_heads, dim_k, dim_v, generator=gen)).to(device)
 
@@ -62,13 +66,13 @@ def _rows(inputs, lo: int, hi: int):
     return tuple(x[lo:hi] for x in inputs)
 
 
-def _check_prefill_matches(heads, dtype, lengths, starts, device="cpu", seed=0):
+def _check_prefill_matches(heads, dtype, lengths, starts, device=DEVICE, seed=0):
     """Kernel vs reference on one multi-sequence call (sequence i in slot B - i, slot 0 untouched)."""
     key_heads, v_heads, dim_k, dim_v = heads
     inputs = _inputs(sum(lengths), key_heads, v_heads, dim_k, dim_v, dtype, seed, device)
     states = _states(len(lengths) + 1, v_heads, dim_k, dim_v, seed + 1, device)
     slots = [len(lengths) - i for i in range(len(lengths))]
-    out, new_states = _prefill(gated_delta_prefill_triton, inputs, states, slots, starts, lengths)
+    out, new_states = _prefill(gated_delta_prefill_impl, inputs, states, slots, starts, lengths)
     ref, ref_states = _prefill(gated_delta_prefill_ref, inputs, states, slots, starts, lengths)
     assert out.dtype == dtype
     assert_close(out, ref)
@@ -84,16 +88,16 @@ def test_prefill_matches_reference(heads, dtype):
     _check_prefill_matches(heads, dtype, LENGTHS, STARTS)
 
 
-def _check_prefill_batch_invariance(heads, dtype, lengths, starts, device="cpu", seed=0):
+def _check_prefill_batch_invariance(heads, dtype, lengths, starts, device=DEVICE, seed=0):
     """Each sequence alone (in its own slot) gives bitwise its outputs and state from the batch."""
     key_heads, v_heads, dim_k, dim_v = heads
     inputs = _inputs(sum(lengths), key_heads, v_heads, dim_k, dim_v, dtype, seed, device)
     states = _states(len(lengths) + 1, v_heads, dim_k, dim_v, seed + 1, device)
     slots = [i + 1 for i in range(len(lengths))]
-    out, batch_states = _prefill(gated_delta_prefill_triton, inputs, states, slots, starts, lengths)
+    out, batch_states = _prefill(gated_delta_prefill_impl, inputs, states, slots, starts, lengths)
     lo = 0
     for slot, start, length in zip(slots, starts, lengths):
-        alone, alone_states = _prefill(gated_delta_prefill_triton, _rows(inputs, lo, lo + length), states, [slot],
+        alone, alone_states = _prefill(gated_delta_prefill_impl, _rows(inputs, lo, lo + length), states, [slot],
                                        [start], [length])
         assert torch.equal(alone, out[lo:lo + length])
         assert torch.equal(alone_states[slot], batch_states[slot])
@@ -106,20 +110,20 @@ def test_prefill_batch_invariance(dtype):
     _check_prefill_batch_invariance(HEADS[1], dtype, [17, 65, 40], [3, 64, 100])
 
 
-def _check_split_invariance(heads, dtype, start, length, cuts, device="cpu", seed=0):
+def _check_split_invariance(heads, dtype, start, length, cuts, device=DEVICE, seed=0):
     """A prompt prefilled in pieces cut at absolute positions `cuts` (multiples of CHUNK_SIZE), one call
     per piece with another sequence in the batch, gives bitwise the one-call outputs and final state."""
     key_heads, v_heads, dim_k, dim_v = heads
     inputs = _inputs(length + 5, key_heads, v_heads, dim_k, dim_v, dtype, seed, device)
     prompt, other = _rows(inputs, 0, length), _rows(inputs, length, length + 5)
     states = _states(3, v_heads, dim_k, dim_v, seed + 1, device)
-    whole, whole_states = _prefill(gated_delta_prefill_triton, prompt, states, [1], [start], [length])
+    whole, whole_states = _prefill(gated_delta_prefill_impl, prompt, states, [1], [start], [length])
     bounds = [start] + [c for c in cuts if start < c < start + length] + [start + length]
     pieces = []
     for lo, hi in zip(bounds, bounds[1:]):
         piece = _rows(prompt, lo - start, hi - start)
         batch = tuple(torch.cat([a, b]) for a, b in zip(other, piece))  # the piece after another sequence
-        out, states = _prefill(gated_delta_prefill_triton, batch, states, [2, 1], [7, lo], [5, hi - lo])
+        out, states = _prefill(gated_delta_prefill_impl, batch, states, [2, 1], [7, lo], [5, hi - lo])
         pieces.append(out[5:])
     assert len(pieces) > 1
     assert torch.equal(torch.cat(pieces), whole)
@@ -144,7 +148,7 @@ def test_prefill_split_invariance_property(start, length, cut_chunks):
     _check_split_invariance((1, 1, 16, 16), torch.float32, start, length, cuts, seed=start + length)
 
 
-def _decode_case(batch, heads, dtype, seed, device="cpu"):
+def _decode_case(batch, heads, dtype, seed, device=DEVICE):
     key_heads, v_heads, dim_k, dim_v = heads
     inputs = _inputs(batch, key_heads, v_heads, dim_k, dim_v, dtype, seed, device)
     return inputs, _states(batch + 2, v_heads, dim_k, dim_v, seed + 1, device)
@@ -165,7 +169,7 @@ def test_decode_matches_reference(heads, dtype):
     """One decode step's outputs and states equal the reference's (slots out of batch order, one slot untouched)."""
     inputs, states = _decode_case(3, heads, dtype, seed=sum(heads))
     slots = [4, 1, 3]
-    out, new_states = _decode(gated_delta_decode_triton, inputs, states, slots)
+    out, new_states = _decode(gated_delta_decode_impl, inputs, states, slots)
     ref, ref_states = _decode(gated_delta_decode_ref, inputs, states, slots)
     assert out.dtype == dtype
     assert_close(out, ref)
@@ -173,12 +177,12 @@ def test_decode_matches_reference(heads, dtype):
     assert torch.equal(new_states[0], states[0]) and torch.equal(new_states[2], states[2])
 
 
-def _check_decode_batch_invariance(heads, dtype, device="cpu"):
+def _check_decode_batch_invariance(heads, dtype, device=DEVICE):
     inputs, states = _decode_case(4, heads, dtype, seed=5, device=device)
     slots = [3, 1, 5, 2]
-    out, batch_states = _decode(gated_delta_decode_triton, inputs, states, slots)
+    out, batch_states = _decode(gated_delta_decode_impl, inputs, states, slots)
     for i, slot in enumerate(slots):
-        alone, alone_states = _decode(gated_delta_decode_triton, _rows(inputs, i, i + 1), states, [slot])
+        alone, alone_states = _decode(gated_delta_decode_impl, _rows(inputs, i, i + 1), states, [slot])
         assert torch.equal(alone[0], out[i])
         assert torch.equal(alone_states[slot], batch_states[slot])
 
@@ -189,18 +193,18 @@ def test_decode_batch_invariance(dtype):
     _check_decode_batch_invariance(DECODE_HEADS[-1], dtype)
 
 
-def _check_decode_after_prefill(heads, dtype, lengths, starts, steps, device="cpu"):
+def _check_decode_after_prefill(heads, dtype, lengths, starts, steps, device=DEVICE):
     """Prefill then `steps` decode steps with the kernels track the references within tolerance."""
     key_heads, v_heads, dim_k, dim_v = heads
     batch = len(lengths)
     inputs = _inputs(sum(lengths), key_heads, v_heads, dim_k, dim_v, dtype, 11, device)
     states = _states(batch + 1, v_heads, dim_k, dim_v, 12, device)
     slots = [i + 1 for i in range(batch)]
-    _, states_k = _prefill(gated_delta_prefill_triton, inputs, states, slots, starts, lengths)
+    _, states_k = _prefill(gated_delta_prefill_impl, inputs, states, slots, starts, lengths)
     _, states_r = _prefill(gated_delta_prefill_ref, inputs, states, slots, starts, lengths)
     for step in range(steps):
         token = _inputs(batch, key_heads, v_heads, dim_k, dim_v, dtype, 100 + step, device)
-        out_k, states_k = _decode(gated_delta_decode_triton, token, states_k, slots)
+        out_k, states_k = _decode(gated_delta_decode_impl, token, states_k, slots)
         out_r, states_r = _decode(gated_delta_decode_ref, token, states_r, slots)
         assert_close(out_k, out_r)
     assert_close(states_k, states_r, dtype)

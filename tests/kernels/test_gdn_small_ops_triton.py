@@ -14,15 +14,18 @@ import torch
 from conftest import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_impls import DEVICE, implementation
 from kernel_tolerances import assert_close
 
-from pocketllm.kernels._triton import INTERPRETED
-from pocketllm.kernels.conv1d_decode import conv1d_decode_ref, conv1d_decode_triton
+from pocketllm.kernels.conv1d_decode import conv1d_decode_ref
 from pocketllm.kernels.conv1d_prefill import conv1d_prefill_ref, conv1d_prefill_triton
-from pocketllm.kernels.rms_norm_gated import rms_norm_gated_ref, rms_norm_gated_triton
+from pocketllm.kernels.rms_norm_gated import rms_norm_gated_ref
 
-# The fp32/fp16 tests run on CPU tensors under the interpreter; with a GPU (interpreter off) on CUDA.
-DEVICE = "cpu" if INTERPRETED else "cuda"
+conv1d_prefill_impl = implementation("conv1d_prefill")
+conv1d_decode_impl = implementation("conv1d_decode")
+rms_norm_gated_impl = implementation("rms_norm_gated")
+
+# The fp32/fp16 tests run on DEVICE: CPU tensors under the interpreter, CUDA ones with a GPU.
 DTYPES = (torch.float32, torch.float16)
 SLOTS = 8
 
@@ -54,7 +57,7 @@ def _conv_inputs(tokens: int, channels: int, kernel: int, dtype: torch.dtype, se
 def _prefill_both(x, weight, states, slots, cu):
     """(output, states after) of the kernel and of the reference, each on its own state copy."""
     kernel_states, ref_states = states.clone(), states.clone()
-    out = conv1d_prefill_triton(x, weight, kernel_states, slots, cu)
+    out = conv1d_prefill_impl(x, weight, kernel_states, slots, cu)
     ref = conv1d_prefill_ref(x, weight, ref_states, slots, cu)
     return (out, kernel_states), (ref, ref_states)
 
@@ -99,7 +102,7 @@ def test_conv_decode_matches_reference(kernel: int, dtype: torch.dtype):
     x, weight, states = _conv_inputs(5, 37, kernel, dtype, seed=kernel)
     slots = torch.tensor([6, 0, 2, 7, 4], device=DEVICE)
     kernel_states, ref_states = states.clone(), states.clone()
-    out = conv1d_decode_triton(x, weight, kernel_states, slots)
+    out = conv1d_decode_impl(x, weight, kernel_states, slots)
     ref = conv1d_decode_ref(x, weight, ref_states, slots)
     assert out.shape == x.shape and out.dtype == dtype
     assert_close(out, ref)
@@ -113,9 +116,9 @@ def test_conv_decode_row_alone_equals_row_in_batch(dtype: torch.dtype):
     x, weight, states = _conv_inputs(5, 37, 4, dtype, seed=9)
     slots = torch.tensor([6, 0, 2, 7, 4], device=DEVICE)
     batch_states, alone_states = states.clone(), states.clone()
-    batch = conv1d_decode_triton(x, weight, batch_states, slots)
+    batch = conv1d_decode_impl(x, weight, batch_states, slots)
     for i in range(5):
-        alone = conv1d_decode_triton(x[i:i + 1], weight, alone_states, slots[i:i + 1])
+        alone = conv1d_decode_impl(x[i:i + 1], weight, alone_states, slots[i:i + 1])
         assert torch.equal(alone[0], batch[i]), i
     assert torch.equal(alone_states, batch_states)
 
@@ -137,12 +140,12 @@ def _check_alone_equals_batch(lens: list[int], slot_list: list[int], channels: i
     x, weight, states = _conv_inputs(sum(lens), channels, 4, dtype, seed, device)
     cu = _cu(lens, device)
     batch_states = states.clone()
-    batch = conv1d_prefill_triton(x, weight, batch_states, torch.tensor(slot_list, device=device), cu)
+    batch = conv1d_prefill_impl(x, weight, batch_states, torch.tensor(slot_list, device=device), cu)
     alone_states = states.clone()
     for i, slot in enumerate(slot_list):
         lo, hi = int(cu[i]), int(cu[i + 1])
-        alone = conv1d_prefill_triton(x[lo:hi], weight, alone_states, torch.tensor([slot], device=device),
-                                             _cu([hi - lo], device))
+        alone = conv1d_prefill_impl(x[lo:hi], weight, alone_states, torch.tensor([slot], device=device),
+                                    _cu([hi - lo], device))
         assert torch.equal(alone, batch[lo:hi]), i
     assert torch.equal(alone_states, batch_states)
 
@@ -172,14 +175,14 @@ def test_conv_prefill_split_invariance(case):
     x, weight, states = _conv_inputs(length + other, 37, kernel, torch.float32, seed=length * 10 + kernel)
     prompt, extra = x[:length], x[length:]
     whole_states = states.clone()
-    whole = conv1d_prefill_triton(prompt, weight, whole_states, torch.tensor([2], device=DEVICE),
-                                         _cu([length]))
+    whole = conv1d_prefill_impl(prompt, weight, whole_states, torch.tensor([2], device=DEVICE),
+                                _cu([length]))
     piece_states = states.clone()
     pieces = []
     for lo, hi in zip([0] + cuts, cuts + [length]):
         batch_x = torch.cat([extra, prompt[lo:hi]])
-        out = conv1d_prefill_triton(batch_x, weight, piece_states, torch.tensor([5, 2], device=DEVICE),
-                                           _cu([other, hi - lo]))
+        out = conv1d_prefill_impl(batch_x, weight, piece_states, torch.tensor([5, 2], device=DEVICE),
+                                  _cu([other, hi - lo]))
         pieces.append(out[other:])
     assert torch.equal(torch.cat(pieces), whole)
     assert torch.equal(piece_states[2], whole_states[2])
@@ -196,18 +199,18 @@ def _check_decode_continues_prefill(lens: list[int], slot_list: list[int], chann
     slots = torch.tensor(slot_list, device=device)
     cu = _cu(lens, device)
     decode_states = states.clone()
-    conv1d_prefill_triton(prompts, weight, decode_states, slots, cu)
+    conv1d_prefill_impl(prompts, weight, decode_states, slots, cu)
     decoded = []
     for step in range(steps):
         prefill_states = decode_states.clone()
-        as_prefill = conv1d_prefill_triton(new[step], weight, prefill_states, slots, _cu([1] * batch, device))
-        out = conv1d_decode_triton(new[step], weight, decode_states, slots)
+        as_prefill = conv1d_prefill_impl(new[step], weight, prefill_states, slots, _cu([1] * batch, device))
+        out = conv1d_decode_impl(new[step], weight, decode_states, slots)
         assert torch.equal(out, as_prefill) and torch.equal(decode_states, prefill_states), step
         decoded.append(out)
     # One prefill of each prompt followed by its decoded tokens.
     extended = torch.cat([torch.cat([prompts[int(cu[i]):int(cu[i + 1])], new[:, i]]) for i in range(batch)])
     full_states = states.clone()
-    full = conv1d_prefill_triton(extended, weight, full_states, slots, _cu([n + steps for n in lens], device))
+    full = conv1d_prefill_impl(extended, weight, full_states, slots, _cu([n + steps for n in lens], device))
     for i in range(batch):
         end = int(cu[i + 1]) + (i + 1) * steps
         assert torch.equal(full[end - steps:end], torch.stack([d[i] for d in decoded])), i
@@ -242,7 +245,7 @@ def test_rms_norm_gated_matches_reference(hidden: int, dtype: torch.dtype):
     assert not gate.is_contiguous()
     for weight_dtype in (dtype, torch.float32):
         weight = _randn(hidden, seed=hidden + 2, dtype=weight_dtype)
-        out = rms_norm_gated_triton(x, gate, weight, 1e-6)
+        out = rms_norm_gated_impl(x, gate, weight, 1e-6)
         assert out.shape == x.shape and out.dtype == dtype
         assert_close(out, rms_norm_gated_ref(x, gate, weight, 1e-6))
 
@@ -253,7 +256,7 @@ def test_rms_norm_gated_any_leading_shape():
     for shape, perm in (((16,), (0,)), ((2, 3, 5, 16), (0, 2, 1, 3))):
         x = _randn(*shape, seed=6).permute(perm)
         gate = _randn(*shape, seed=7).permute(perm)
-        out = rms_norm_gated_triton(x, gate, weight, 1e-5)
+        out = rms_norm_gated_impl(x, gate, weight, 1e-5)
         assert out.shape == x.shape
         assert_close(out, rms_norm_gated_ref(x, gate, weight, 1e-5))
 
@@ -261,11 +264,11 @@ def test_rms_norm_gated_any_leading_shape():
 def _check_gated_rows_invariant(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
                                 prefixes: tuple[int, ...]) -> None:
     """Any prefix of rows, and a single row, gives bitwise the same rows as the full batch."""
-    full = rms_norm_gated_triton(x, gate, weight, 1e-6)
+    full = rms_norm_gated_impl(x, gate, weight, 1e-6)
     for m in prefixes:
-        assert torch.equal(rms_norm_gated_triton(x[:m], gate[:m], weight, 1e-6), full[:m]), m
+        assert torch.equal(rms_norm_gated_impl(x[:m], gate[:m], weight, 1e-6), full[:m]), m
     last = x.shape[0] - 1
-    assert torch.equal(rms_norm_gated_triton(x[last:], gate[last:], weight, 1e-6), full[last:])
+    assert torch.equal(rms_norm_gated_impl(x[last:], gate[last:], weight, 1e-6), full[last:])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -302,8 +305,8 @@ def test_gpu_conv_invariance():
     x, weight, states = _conv_inputs(4096, GPU_CHANNELS, 4, torch.bfloat16, seed=33, device="cuda")
     slot = torch.tensor([2], device="cuda")
     whole_states, piece_states = states.clone(), states.clone()
-    whole = conv1d_prefill_triton(x, weight, whole_states, slot, _cu([4096], "cuda"))
-    pieces = [conv1d_prefill_triton(x[lo:hi], weight, piece_states, slot, _cu([hi - lo], "cuda"))
+    whole = conv1d_prefill_impl(x, weight, whole_states, slot, _cu([4096], "cuda"))
+    pieces = [conv1d_prefill_impl(x[lo:hi], weight, piece_states, slot, _cu([hi - lo], "cuda"))
               for lo, hi in ((0, 1000), (1000, 3001), (3001, 4096))]
     assert torch.equal(torch.cat(pieces), whole) and torch.equal(piece_states, whole_states)
 
@@ -317,7 +320,7 @@ def test_gpu_conv_decode_matches_reference():
     states = _randn(128, GPU_CHANNELS, 3, seed=43, dtype=torch.bfloat16, device="cuda")
     slots = torch.randperm(128, generator=torch.Generator().manual_seed(44))[:64].cuda()
     kernel_states, ref_states = states.clone(), states.clone()
-    assert_close(conv1d_decode_triton(x, weight, kernel_states, slots),
+    assert_close(conv1d_decode_impl(x, weight, kernel_states, slots),
                  conv1d_decode_ref(x, weight, ref_states, slots))
     assert torch.equal(kernel_states, ref_states)
 
@@ -330,5 +333,5 @@ def test_gpu_rms_norm_gated():
     x, gate = _gated_inputs(4096, 32, 128, torch.bfloat16, seed=51, device="cuda")
     for weight_dtype in (torch.bfloat16, torch.float32):
         weight = _randn(128, seed=52, dtype=weight_dtype, device="cuda")
-        assert_close(rms_norm_gated_triton(x, gate, weight, 1e-6), rms_norm_gated_ref(x, gate, weight, 1e-6))
+        assert_close(rms_norm_gated_impl(x, gate, weight, 1e-6), rms_norm_gated_ref(x, gate, weight, 1e-6))
     _check_gated_rows_invariant(x, gate, weight, (1, 7, 64, 4000))

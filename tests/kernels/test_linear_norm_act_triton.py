@@ -6,20 +6,23 @@ import torch
 from conftest import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_impls import DEVICE, implementation
 from kernel_tolerances import assert_close
 
-from pocketllm.kernels._triton import INTERPRETED
-from pocketllm.kernels.linear import TILES, linear_ref, linear_triton
-from pocketllm.kernels.rms_norm import rms_norm_ref, rms_norm_triton
-from pocketllm.kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
+from pocketllm.kernels.linear import TILES, linear_ref
+from pocketllm.kernels.rms_norm import rms_norm_ref
+from pocketllm.kernels.silu_and_mul import silu_and_mul_ref
+
+linear_impl = implementation("linear")
+rms_norm_impl = implementation("rms_norm")
+silu_and_mul_impl = implementation("silu_and_mul")
 
 ROW_COUNTS = (1, 2, 17, 63, 64, 65, 130)
 # (K, N, with bias): K not a multiple of BLOCK_K, N odd, and one shape of whole tiles.
 LINEAR_SHAPES = ((48, 33, True), (100, 130, False), (64, 256, True))
 INVARIANCE_ROWS = tuple(range(1, 21)) + (33, 64, 65)
 DTYPES = (torch.float32, torch.float16)
-# The fp32/fp16 tests run on CPU tensors under the interpreter; with a GPU (interpreter off) on CUDA.
-DEVICE = "cpu" if INTERPRETED else "cuda"
+# The fp32/fp16 tests run on DEVICE: CPU tensors under the interpreter, CUDA ones with a GPU.
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -63,7 +66,7 @@ def test_linear_matches_reference(k: int, n: int, with_bias: bool, dtype: torch.
     x, weight, bias = _linear_inputs(max(ROW_COUNTS), k, n, dtype)
     bias = bias if with_bias else None
     for m in ROW_COUNTS:
-        out = linear_triton(x[:m], weight, bias)
+        out = linear_impl(x[:m], weight, bias)
         assert out.shape == (m, n) and out.dtype == dtype
         assert_close(out, linear_ref(x[:m], weight, bias))
 
@@ -74,8 +77,8 @@ def test_linear_strided_input():
     wide, weight, bias = _linear_inputs(19, 80, 33, torch.float32)
     x, weight = wide[:, 5:53], weight[:, :48].contiguous()
     assert not x.is_contiguous()
-    out = linear_triton(x, weight, bias)
-    assert torch.equal(out, linear_triton(x.contiguous(), weight, bias))
+    out = linear_impl(x, weight, bias)
+    assert torch.equal(out, linear_impl(x.contiguous(), weight, bias))
     assert_close(out, linear_ref(x, weight, bias))
 
 
@@ -83,7 +86,7 @@ def test_linear_strided_input():
 def test_linear_row_invariant(dtype: torch.dtype):
     """Each row's bits do not depend on how many rows share the call."""
     x, weight, bias = _linear_inputs(max(INVARIANCE_ROWS), 100, 33, dtype)
-    _assert_rows_invariant(lambda rows: linear_triton(rows, weight, bias), x, INVARIANCE_ROWS)
+    _assert_rows_invariant(lambda rows: linear_impl(rows, weight, bias), x, INVARIANCE_ROWS)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -91,9 +94,9 @@ def test_linear_rows_keep_their_bits_at_every_tile_position(dtype: torch.dtype):
     """A row moved to another position of its row tile (as other requests come and go) keeps its
     bits: rolled inputs give rolled outputs, for shifts within and across tiles."""
     x, weight, bias = _linear_inputs(37, 100, 33, dtype)
-    full = linear_triton(x, weight, bias)
+    full = linear_impl(x, weight, bias)
     for shift in (1, 5, 15, 16, 21):
-        assert torch.equal(linear_triton(x.roll(shift, 0), weight, bias), full.roll(shift, 0)), shift
+        assert torch.equal(linear_impl(x.roll(shift, 0), weight, bias), full.roll(shift, 0)), shift
 
 
 @settings(deadline=None, max_examples=budget(0.3))
@@ -102,7 +105,7 @@ def test_linear_rows_keep_their_bits_at_every_tile_position(dtype: torch.dtype):
 def test_linear_row_invariant_property(m: int, extra: int, k: int, n: int, seed: int):
     """For any shape, the first m rows of a batch of m + extra rows equal the same rows computed alone."""
     x, weight, bias = _linear_inputs(m + extra, k, n, torch.float32, seed=seed)
-    _assert_rows_invariant(lambda rows: linear_triton(rows, weight, bias), x, (m,))
+    _assert_rows_invariant(lambda rows: linear_impl(rows, weight, bias), x, (m,))
 
 
 # -- rms_norm ----------------------------------------------------------------------------------------
@@ -114,7 +117,7 @@ def test_rms_norm_matches_reference(hidden: int, dtype: torch.dtype):
     """rms_norm_triton equals rms_norm_ref within tolerance, in x's dtype, for rows of any width."""
     x = _randn(17, hidden, seed=hidden, dtype=dtype, scale=3.0)
     weight = _randn(hidden, seed=hidden + 1, dtype=dtype)
-    out = rms_norm_triton(x, weight, 1e-6)
+    out = rms_norm_impl(x, weight, 1e-6)
     assert out.shape == x.shape and out.dtype == dtype
     assert_close(out, rms_norm_ref(x, weight, 1e-6))
 
@@ -130,7 +133,7 @@ def test_rms_norm_per_head_on_a_fused_projection_slice(dtype: torch.dtype):
     assert not q.is_contiguous() and not k.is_contiguous()
     weight = _randn(d, seed=4, dtype=dtype)
     for part in (q, k):
-        out = rms_norm_triton(part, weight, 1e-6)
+        out = rms_norm_impl(part, weight, 1e-6)
         assert out.shape == part.shape
         assert_close(out, rms_norm_ref(part, weight, 1e-6))
 
@@ -140,7 +143,7 @@ def test_rms_norm_any_leading_shape():
     shape and match the reference."""
     weight = _randn(16, seed=5)
     for x in (_randn(16, seed=6), _randn(2, 3, 5, 16, seed=7).transpose(1, 2)):
-        out = rms_norm_triton(x, weight, 1e-5)
+        out = rms_norm_impl(x, weight, 1e-5)
         assert out.shape == x.shape
         assert_close(out, rms_norm_ref(x, weight, 1e-5))
 
@@ -150,8 +153,8 @@ def test_rms_norm_row_invariant(dtype: torch.dtype):
     """A row normalised alone, and any prefix of rows, gives the same bits as inside the full batch."""
     x = _randn(33, 100, seed=8, dtype=dtype, scale=3.0)
     weight = _randn(100, seed=9, dtype=dtype)
-    _assert_rows_invariant(lambda rows: rms_norm_triton(rows, weight, 1e-6), x, (1, 2, 7, 16, 17, 32))
-    assert torch.equal(rms_norm_triton(x[20:21], weight, 1e-6), rms_norm_triton(x, weight, 1e-6)[20:21])
+    _assert_rows_invariant(lambda rows: rms_norm_impl(rows, weight, 1e-6), x, (1, 2, 7, 16, 17, 32))
+    assert torch.equal(rms_norm_impl(x[20:21], weight, 1e-6), rms_norm_impl(x, weight, 1e-6)[20:21])
 
 
 # -- silu_and_mul ------------------------------------------------------------------------------------
@@ -163,7 +166,7 @@ def test_silu_and_mul_matches_reference(inter: int, dtype: torch.dtype):
     """silu_and_mul_triton equals the reference (gate first, up second), including widths over one
     column block."""
     gate_up = _randn(7, 2 * inter, seed=inter, dtype=dtype, scale=4.0)
-    out = silu_and_mul_triton(gate_up)
+    out = silu_and_mul_impl(gate_up)
     assert out.shape == (7, inter) and out.dtype == dtype
     assert_close(out, silu_and_mul_ref(gate_up))
 
@@ -172,7 +175,7 @@ def test_silu_and_mul_matches_reference(inter: int, dtype: torch.dtype):
 def test_silu_and_mul_row_invariant(dtype: torch.dtype):
     """Every prefix of rows gives the same bits as inside the full batch."""
     gate_up = _randn(17, 2 * 40, seed=10, dtype=dtype, scale=4.0)
-    _assert_rows_invariant(silu_and_mul_triton, gate_up, (1, 2, 5, 16))
+    _assert_rows_invariant(silu_and_mul_impl, gate_up, (1, 2, 5, 16))
 
 
 # -- CUDA, bf16, model sizes -------------------------------------------------------------------------
@@ -189,8 +192,8 @@ def test_gpu_linear_bf16_matches_reference(m: int, k: int, n: int):
     """bf16 linear at Qwen3 layer sizes agrees with cuBLAS within the bf16 tolerance, with and
     without a bias."""
     x, weight, bias = _linear_inputs(m, k, n, torch.bfloat16, device="cuda")
-    assert_close(linear_triton(x, weight, bias), linear_ref(x, weight, bias))
-    assert_close(linear_triton(x, weight), linear_ref(x, weight))
+    assert_close(linear_impl(x, weight, bias), linear_ref(x, weight, bias))
+    assert_close(linear_impl(x, weight), linear_ref(x, weight))
 
 
 @pytest.mark.gpu
@@ -201,7 +204,7 @@ def test_gpu_linear_row_invariant(k: int, n: int, dtype: torch.dtype):
     """On CUDA (persistent grid, tensor cores for bf16, IEEE fp32 dot for fp32), a decode-sized
     call gives the same bits as the same rows inside a 256-row prefill."""
     x, weight, bias = _linear_inputs(256, k, n, dtype, device="cuda")
-    _assert_rows_invariant(lambda rows: linear_triton(rows, weight, bias), x, (1, 2, 8, 63, 64, 65, 200))
+    _assert_rows_invariant(lambda rows: linear_impl(rows, weight, bias), x, (1, 2, 8, 63, 64, 65, 200))
 
 
 @pytest.mark.gpu
@@ -211,7 +214,7 @@ def test_gpu_linear_fp32_is_not_tf32():
     fp32 accuracy (TF32 keeps 10 mantissa bits and would miss by about 1e-3)."""
     x, weight, bias = _linear_inputs(64, 4096, 256, torch.float32, device="cuda")
     exact = linear_ref(x.double(), weight.double(), bias.double())
-    torch.testing.assert_close(linear_triton(x, weight, bias).double(), exact, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(linear_impl(x, weight, bias).double(), exact, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.gpu
@@ -221,13 +224,13 @@ def test_gpu_rms_norm_bf16():
     reference, and a single row gives the same bits as inside the batch."""
     x = _randn(256, 4096, seed=11, dtype=torch.bfloat16, device="cuda", scale=3.0)
     weight = _randn(4096, seed=12, dtype=torch.bfloat16, device="cuda")
-    out = rms_norm_triton(x, weight, 1e-6)
+    out = rms_norm_impl(x, weight, 1e-6)
     assert_close(out, rms_norm_ref(x, weight, 1e-6))
-    _assert_rows_invariant(lambda rows: rms_norm_triton(rows, weight, 1e-6), x, (1, 7, 64))
+    _assert_rows_invariant(lambda rows: rms_norm_impl(rows, weight, 1e-6), x, (1, 7, 64))
     qkv = _randn(256, (32 + 2 * 8) * 128, seed=13, dtype=torch.bfloat16, device="cuda", scale=2.0)
     q = qkv[:, :32 * 128].reshape(256, 32, 128)
     head_weight = _randn(128, seed=14, dtype=torch.bfloat16, device="cuda")
-    assert_close(rms_norm_triton(q, head_weight, 1e-6), rms_norm_ref(q, head_weight, 1e-6))
+    assert_close(rms_norm_impl(q, head_weight, 1e-6), rms_norm_ref(q, head_weight, 1e-6))
 
 
 @pytest.mark.gpu
@@ -235,5 +238,5 @@ def test_gpu_rms_norm_bf16():
 def test_gpu_silu_and_mul_bf16():
     """bf16 SiLU-and-mul at intermediate size 12288 matches the reference and is row invariant."""
     gate_up = _randn(256, 2 * 12288, seed=15, dtype=torch.bfloat16, device="cuda", scale=4.0)
-    assert_close(silu_and_mul_triton(gate_up), silu_and_mul_ref(gate_up))
-    _assert_rows_invariant(silu_and_mul_triton, gate_up, (1, 7, 64))
+    assert_close(silu_and_mul_impl(gate_up), silu_and_mul_ref(gate_up))
+    _assert_rows_invariant(silu_and_mul_impl, gate_up, (1, 7, 64))

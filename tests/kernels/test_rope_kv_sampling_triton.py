@@ -20,11 +20,15 @@ import torch
 from conftest import budget
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from kernel_impls import DEVICE, implementation
 from kernel_tolerances import assert_close
 
 from pocketllm.kernels.rope import apply_rope_ref, rope_table
-from pocketllm.kernels.rope_write_kv import rope_write_kv_ref, rope_write_kv_triton
+from pocketllm.kernels.rope_write_kv import rope_write_kv_ref
 from pocketllm.kernels.sample import _launch_sample, allowed_mask, sample_ref, sample_triton, uniform_noise
+
+rope_write_kv_impl = implementation("rope_write_kv")
+sample_impl = implementation("sample")
 
 BAND = 1e-4  # top-p: cumulative masses this close to top_p are rounding-dependent
 GAP = 1e-5  # noisy scores this close are rounding-dependent
@@ -43,7 +47,7 @@ def _as_int64(seed: int) -> int:
 
 
 def _rope_case(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int,
-               device: str = "cpu", slots: int = 4, max_len: int = 256):
+               device: str = DEVICE, slots: int = 4, max_len: int = 256):
     """q/k/v as strided views of one fused projection [T, (Hq + 2 Hkv) * D] (as the model makes
     them), distinct (slot, position) pairs spread over `slots` slots, random caches, rope tables."""
     gen = _gen(seed)
@@ -63,7 +67,7 @@ def _run_both(case):
     """(q_out, k_cache, v_cache) of the kernel and of the reference, each on its own cache copy."""
     q, k, v, positions, cos, sin, k_cache, v_cache, token_slots = case
     kc, vc, kr, vr = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
-    out = rope_write_kv_triton(q, k, v, positions, cos, sin, kc, vc, token_slots)
+    out = rope_write_kv_impl(q, k, v, positions, cos, sin, kc, vc, token_slots)
     ref = rope_write_kv_ref(q, k, v, positions, cos, sin, kr, vr, token_slots)
     return (out, kc, vc), (ref, kr, vr)
 
@@ -91,7 +95,7 @@ def test_rope_write_kv_matches_reference(tokens, heads, kv_heads, head_dim, dtyp
     assert out.shape == ref.shape and out.dtype == dtype and out.is_contiguous()
     _assert_same_outputs((out, kc, vc), (ref, kr, vr), dtype)
     positions, k_cache, v_cache, token_slots = case[3], case[6], case[7], case[8]
-    untouched = torch.ones(k_cache.shape[:2], dtype=torch.bool)
+    untouched = torch.ones(k_cache.shape[:2], dtype=torch.bool, device=DEVICE)
     untouched[token_slots, positions] = False
     assert torch.equal(kc[untouched], k_cache[untouched]) and torch.equal(vc[untouched], v_cache[untouched])
     assert not torch.equal(kc[~untouched], k_cache[~untouched])  # the written entries did change
@@ -108,7 +112,7 @@ def test_rope_write_kv_partial_rotary_matches_reference(tokens, heads, kv_heads,
     pass through; q and the written K/V equal the reference (fp32 bitwise, fp16 within
     tolerance) and the pass-through dims are the inputs' bits."""
     case = list(_rope_case(tokens, heads, kv_heads, head_dim, dtype, seed=tokens * 100 + rotary))
-    case[4], case[5] = rope_table(rotary, case[6].shape[1], 1_000_000.0)
+    case[4], case[5] = rope_table(rotary, case[6].shape[1], 1_000_000.0, device=DEVICE)
     (out, kc, vc), (ref, kr, vr) = _run_both(case)
     assert out.shape == ref.shape and out.dtype == dtype
     _assert_same_outputs((out, kc, vc), (ref, kr, vr), dtype)
@@ -123,11 +127,11 @@ def test_rope_write_kv_token_alone_equals_token_in_batch():
     inside a batch of 6 (fp16)."""
     q, k, v, positions, cos, sin, k_cache, v_cache, token_slots = _rope_case(6, 4, 2, 32, torch.float16, seed=7)
     kb, vb = k_cache.clone(), v_cache.clone()
-    batch = rope_write_kv_triton(q, k, v, positions, cos, sin, kb, vb, token_slots)
+    batch = rope_write_kv_impl(q, k, v, positions, cos, sin, kb, vb, token_slots)
     ka, va = k_cache.clone(), v_cache.clone()
     for t in range(6):
-        alone = rope_write_kv_triton(q[t:t + 1], k[t:t + 1], v[t:t + 1], positions[t:t + 1], cos, sin, ka, va,
-                                     token_slots[t:t + 1])
+        alone = rope_write_kv_impl(q[t:t + 1], k[t:t + 1], v[t:t + 1], positions[t:t + 1], cos, sin, ka, va,
+                                   token_slots[t:t + 1])
         assert torch.equal(alone[0], batch[t])
     assert torch.equal(ka, kb) and torch.equal(va, vb)
 
@@ -135,7 +139,7 @@ def test_rope_write_kv_token_alone_equals_token_in_batch():
 # -- sampling: helpers -------------------------------------------------------------------------------
 
 
-def _columns(rows: list[tuple], device: str = "cpu"):
+def _columns(rows: list[tuple], device: str = DEVICE):
     """(temperature, top_k, top_p, seed, position) per row -> the five [B] parameter tensors."""
     temperature, top_k, top_p, seeds, positions = zip(*rows)
     return (torch.tensor(temperature, dtype=torch.float32, device=device),
@@ -186,7 +190,8 @@ def _check_against_reference(logits: torch.Tensor, rows: list[tuple], min_clear:
     """Kernel vs reference on a batch (`sample_triton`, and the debug launch that also returns the
     noise and allowed masks): greedy tokens exact; sampled rows: the noise bitwise, the
     allowed set exactly outside the top-p band, and the token exactly on clear rows (at least
-    `min_clear` of the sampled rows must be clear); logprobs within the fp32 tolerance."""
+    `min_clear` of the sampled rows must be clear); logprobs within the fp32 tolerance.
+    Always the Triton launcher, whatever --impl names: only it has the debug launch."""
     params = _columns(rows, device=str(logits.device))
     tokens, logprobs, noise, allowed = _launch_sample(logits, *params, debug=True)
     plain_tokens, plain_logprobs = sample_triton(logits, *params)  # the same results without the debug writes
@@ -214,7 +219,7 @@ def _check_against_reference(logits: torch.Tensor, rows: list[tuple], min_clear:
     assert_close(logprobs, ref_logprobs)
 
 
-def _logits(rows: int, vocab: int, seed: int, scale: float = 3.0, device: str = "cpu") -> torch.Tensor:
+def _logits(rows: int, vocab: int, seed: int, scale: float = 3.0, device: str = DEVICE) -> torch.Tensor:
     """Gaussian logits: tie-free with probability ~1."""
     return (scale * torch.randn(rows, vocab, generator=_gen(seed))).to(device)
 
@@ -241,7 +246,7 @@ def test_greedy_rows_match_reference(vocab):
     logits[2] = logits[2].clamp(max=4.0)
     logits[2, -1] = 4.0
     rows = [(0.0, 0, 1.0, 1, 0), (0.0, 5, 0.5, 2, 9), (0.0, 1, 0.1, 2**64 - 1, 3)]
-    tokens, logprobs = sample_triton(logits, *_columns(rows))
+    tokens, logprobs = sample_impl(logits, *_columns(rows))
     ref_tokens, ref_logprobs = sample_ref(logits, *_columns(rows))
     assert torch.equal(tokens, ref_tokens) and tokens.dtype == torch.int64
     assert tokens.tolist() == [int(torch.nonzero(row == row.max())[0]) for row in logits]
@@ -295,7 +300,7 @@ def test_sampling_matches_reference_property(case):
     noise = uniform_noise(torch.tensor([_as_int64(seed)]), torch.tensor([position]), logits.shape[1])[0]
     _, _, clear, tie = _analyse(logits[0], temperature, top_k, top_p, noise)
     assume(clear and not tie)
-    _check_against_reference(logits, [row])
+    _check_against_reference(logits.to(DEVICE), [row])
 
 
 MIXED_ROWS = [  # (temperature, top_k, top_p, seed, position)
@@ -313,12 +318,12 @@ MIXED_ROWS = [  # (temperature, top_k, top_p, seed, position)
 def _assert_rows_invariant(logits: torch.Tensor, rows: list[tuple]) -> None:
     """Each row alone, and the batch reversed, give bitwise the batch's tokens and logprobs."""
     device = str(logits.device)
-    tokens, logprobs = sample_triton(logits, *_columns(rows, device))
+    tokens, logprobs = sample_impl(logits, *_columns(rows, device))
     order = list(reversed(range(len(rows))))
-    rev_tokens, rev_logprobs = sample_triton(logits[order], *_columns([rows[i] for i in order], device))
+    rev_tokens, rev_logprobs = sample_impl(logits[order], *_columns([rows[i] for i in order], device))
     assert torch.equal(rev_tokens.flip(0), tokens) and torch.equal(rev_logprobs.flip(0), logprobs)
     for i, row in enumerate(rows):
-        alone_tokens, alone_logprobs = sample_triton(logits[i:i + 1], *_columns([row], device))
+        alone_tokens, alone_logprobs = sample_impl(logits[i:i + 1], *_columns([row], device))
         assert torch.equal(alone_tokens[0], tokens[i]) and torch.equal(alone_logprobs[0], logprobs[i]), i
 
 
@@ -380,7 +385,7 @@ def test_gpu_rope_write_kv_addresses_past_2_31_elements():
                                                max_len=max_len)
     token_slots = torch.tensor([2048, 0], device="cuda")
     positions = torch.tensor([1023, 5], device="cuda")
-    out = rope_write_kv_triton(q, k, v, positions, cos, sin, k_cache, v_cache, token_slots)
+    out = rope_write_kv_impl(q, k, v, positions, cos, sin, k_cache, v_cache, token_slots)
     assert_close(out, apply_rope_ref(q, positions, cos, sin))
     assert_close(k_cache[token_slots, positions], apply_rope_ref(k, positions, cos, sin))
     assert torch.equal(v_cache[token_slots, positions], v)

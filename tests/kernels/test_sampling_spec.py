@@ -9,9 +9,12 @@ schedule changes some entries even where the statistics of the noise would not n
 from __future__ import annotations
 
 import torch
+from kernel_impls import DEVICE, implementation
 from sampling_oracle import MASK32, MAX_UNIFORM, POSITION_SALT, draw, mix, uniforms
 
-from pocketllm.kernels.sample import allowed_mask, sample_ref, sample_triton, uniform_noise
+from pocketllm.kernels.sample import allowed_mask, sample_ref, uniform_noise
+
+sample_impl = implementation("sample")
 
 # Seeds with either 32-bit half zero or all ones, positions at 0 and at the int32 edge.
 CASES = [(0, 0), (1, 7), (2**32, 3), (2**63 + 5, 2**31 - 1), (2**64 - 1, 123456), (0xDEADBEEF12345678, 2**31)]
@@ -53,11 +56,12 @@ def test_noise_at_the_largest_draw_stays_below_one():
     assert uniforms(seed, 0, 1)[0] == MAX_UNIFORM
     noise = uniform_noise(torch.tensor([seed]), torch.tensor([0]), 2)
     assert float(noise[0, 0]) == MAX_UNIFORM < 1.0
-    logits = torch.tensor([[0.0, 5.0]])
-    for sampler in (sample_ref, sample_triton):
+    logits = torch.tensor([[0.0, 5.0]], device=DEVICE)
+    for sampler in (sample_ref, sample_impl):
         for top_k in (1, 0):
-            params = (torch.tensor([1.0]), torch.tensor([top_k]), torch.tensor([1.0]), torch.tensor([seed]),
-                      torch.tensor([0]))
+            params = (torch.tensor([1.0], device=DEVICE), torch.tensor([top_k], device=DEVICE),
+                      torch.tensor([1.0], device=DEVICE), torch.tensor([seed], device=DEVICE),
+                      torch.tensor([0], device=DEVICE))
             token = int(sampler(logits, *params)[0][0])
             expected = 1 if top_k == 1 else draw([0.0, 5.0], 1.0, 0, 1.0, seed, 0).token
             assert token == expected, (sampler.__name__, top_k)

@@ -20,17 +20,21 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_impls import DEVICE, implementation
 
 from pocketllm.kernels._gated_delta import CHUNK_SIZE
-from pocketllm.kernels.conv1d_prefill import conv1d_prefill_ref, conv1d_prefill_triton
-from pocketllm.kernels.gated_delta_prefill import gated_delta_prefill_ref, gated_delta_prefill_triton
-from pocketllm.kernels.prefill_attention import prefill_attention_triton
+from pocketllm.kernels.conv1d_prefill import conv1d_prefill_ref
+from pocketllm.kernels.gated_delta_prefill import gated_delta_prefill_ref
+
+gated_delta_prefill_impl = implementation("gated_delta_prefill")
+conv1d_prefill_impl = implementation("conv1d_prefill")
+prefill_attention_impl = implementation("prefill_attention")
 
 SLOT, OTHER_SLOT, OTHER_LEN = 1, 2, 5
 
 
 def _long(values) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
+    return torch.tensor(values, dtype=torch.int64, device=DEVICE)
 
 
 def _split_run(call, inputs: tuple[torch.Tensor, ...], state: torch.Tensor, start: int, cuts: list[int]):
@@ -78,7 +82,7 @@ def _gdn_inputs(tokens: int, seed: int):
     g = F.logsigmoid(2.0 + 2.0 * torch.randn(tokens, 2, generator=gen))
     beta = torch.sigmoid(torch.randn(tokens, 2, generator=gen))
     state = 0.3 * torch.randn(3, 2, 16, 8, generator=gen)
-    return (q, k, v, g, beta), state
+    return tuple(x.to(DEVICE) for x in (q, k, v, g, beta)), state.to(DEVICE)
 
 
 def _gdn_call(fn):
@@ -95,7 +99,7 @@ def _misaligned_ref(q, k, v, g, beta, states, slot_ids, start_positions, cu_seql
 
 
 GDN_CASES = [(gated_delta_prefill_ref, split) for split in GDN_SPLITS] + [  # the interpreter is slow: two
-    (gated_delta_prefill_triton, split) for split in (GDN_SPLITS[0], GDN_SPLITS[3])]
+    (gated_delta_prefill_impl, split) for split in (GDN_SPLITS[0], GDN_SPLITS[3])]
 
 
 @pytest.mark.parametrize("fn,split", GDN_CASES, ids=[f"{fn.__name__.split('_')[-1]}-{split[0]}" for fn, split in GDN_CASES])
@@ -132,18 +136,18 @@ CONV_SPLITS = [  # (start, new tokens, absolute cuts): the conv has no grid, so 
 def _conv_call(fn):
     def call(inputs, state, slots, starts, lengths):
         (x,) = inputs
-        weight = torch.linspace(-1.0, 1.0, 8 * 4).reshape(8, 4) + 0.1
+        weight = (torch.linspace(-1.0, 1.0, 8 * 4).reshape(8, 4) + 0.1).to(DEVICE)
         return fn(x, weight, state, _long(slots), torch.cumsum(_long([0] + lengths), 0))
     return call
 
 
-@pytest.mark.parametrize("fn", [conv1d_prefill_ref, conv1d_prefill_triton], ids=["ref", "triton"])
+@pytest.mark.parametrize("fn", [conv1d_prefill_ref, conv1d_prefill_impl], ids=["ref", "triton"])
 @pytest.mark.parametrize("start,length,cuts", CONV_SPLITS)
 def test_conv1d_prefill_split_invariance(fn, start, length, cuts):
     """Any cut after a slot that already holds a window of inputs: bitwise outputs and state."""
     gen = torch.Generator().manual_seed(start)
-    x = torch.randn(length + OTHER_LEN, 8, generator=gen)
-    state = torch.randn(3, 8, 3, generator=gen)  # K - 1 = 3 remembered inputs per slot
+    x = torch.randn(length + OTHER_LEN, 8, generator=gen).to(DEVICE)
+    state = torch.randn(3, 8, 3, generator=gen).to(DEVICE)  # K - 1 = 3 remembered inputs per slot
     _assert_split_invariant(_split_run(_conv_call(fn), (x,), state, start, cuts))
 
 
@@ -163,12 +167,13 @@ def test_prefill_attention_kernel_split_invariance(start, length, cuts):
     gen = torch.Generator().manual_seed(start + length)
     max_len = start + length + 8
     k_cache, v_cache = torch.randn(3, max_len, 1, 16, generator=gen), torch.randn(3, max_len, 1, 16, generator=gen)
-    q = torch.randn(length + OTHER_LEN, 2, 16, generator=gen)
+    k_cache, v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
+    q = torch.randn(length + OTHER_LEN, 2, 16, generator=gen).to(DEVICE)
 
     def call(inputs, _state, slots, starts, lengths):
         (queries,) = inputs
-        return prefill_attention_triton(queries, k_cache, v_cache, _long(slots), _long(starts),
-                                        torch.cumsum(_long([0] + lengths), 0), 0.25)
+        return prefill_attention_impl(queries, k_cache, v_cache, _long(slots), _long(starts),
+                                      torch.cumsum(_long([0] + lengths), 0), 0.25)
 
     whole, _, pieces, _ = _split_run(call, (q,), torch.zeros(3, 1), start, cuts)
     assert torch.equal(pieces, whole)
