@@ -7,8 +7,9 @@ kernel for sm_80 and sm_90 at the launch configurations the engine really uses a
 resources of the resulting cubin.
 
 The configurations are not written by hand: the launchers of the Triton op table are called with
-CPU tensors laid out as the models lay them out (the Qwen3-0.6B and Qwen3.5-0.8B presets, decode
-and prefill steps, and an attention sweep over head dims and GQA ratios) while `JITFunction.run`
+the calls of `launches.py` (CPU tensors laid out as the models lay them out: the Qwen3-0.6B and
+Qwen3.5-0.8B presets, decode and prefill steps, and an attention sweep over head dims and GQA
+ratios; `lab bench` times the same calls) while `JITFunction.run`
 is replaced by a recorder that launches nothing. Triton's own binder then specialises each
 recorded launch for the target (argument types, divisibility by 16, integers equal to 1,
 `do_not_specialize`), as a launch on that GPU would, and each distinct specialisation is compiled
@@ -30,21 +31,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
-import torch
-
-from ..config import ModelConfig
 from ..kernels import get_ops
 from ..kernels._triton import HAS_TRITON, INTERPRETED, recording_launches
-from ..models.batch import ForwardBatch
-from ..models.presets import PRESETS
+from .launches import ATTENTION_OPS, OPS, model_steps, op_calls, sweep_steps
 
 # -- targets and their limits ----------------------------------------------------------------
 
@@ -123,253 +119,6 @@ def check_fit(usage: Usage, num_warps: int, target: Target, allow_spills: bool =
     return not failures, "; ".join(failures + notes)
 
 
-# -- launch configurations: the op table's launchers at the models' shapes --------------------
-
-MODELS = ("qwen3-0.6b", "qwen3.5-0.8b")  # presets in the exact shapes of the published checkpoints
-DTYPE = torch.bfloat16  # activations, weights and caches; recurrent states are fp32
-SLOTS = 8
-MAX_SEQ_LEN = 4096
-# name -> (tokens cached per sequence before the step, new tokens per sequence)
-PHASES = {
-    "decode b1": ((4095,), (1,)),  # the longest context: 16 key splits
-    "decode b8": ((2999, 2047, 1500, 1023, 700, 255, 100, 16), (1,) * 8),  # 12 splits: not a multiple of 16
-    "prefill 2 seqs": ((0, 64), (200, 312)),  # 512 tokens, the second after a cached prefix
-}
-# Attention is also compiled at these head dims and query heads per K/V head (16 query heads).
-SWEEP_HEAD_DIMS = (64, 128, 256)
-SWEEP_GROUPS = (1, 2, 4, 8)
-SWEEP_PHASES = ("decode b8", "prefill 2 seqs")
-ATTENTION_OPS = ("prefill_attention", "decode_attention")
-
-
-@dataclass(frozen=True)
-class Step:
-    """One model step: the shapes every op of the step sees."""
-
-    name: str
-    cfg: ModelConfig
-    batch: ForwardBatch
-
-    @property
-    def tokens(self) -> int:
-        return self.batch.positions.numel()
-
-    @property
-    def sequences(self) -> int:
-        return self.batch.slot_ids.numel()
-
-
-Call = tuple[str, Callable[[], object]]  # (which call of the op in the step, the call)
-
-
-def _step(name: str, cfg: ModelConfig, phase: str) -> Step:
-    starts, lengths = PHASES[phase]
-    batch = ForwardBatch.build(list(range(len(starts))), list(starts), [[0] * n for n in lengths],
-                               is_decode=phase.startswith("decode"), device="cpu")
-    return Step(f"{name} {phase}", cfg, batch)
-
-
-def _model_steps() -> list[Step]:
-    configs = [(name, ModelConfig.from_dict(PRESETS[name], source=f"preset {name!r}")) for name in MODELS]
-    return [_step(name, cfg, phase) for name, cfg in configs for phase in PHASES]
-
-
-def _sweep_steps() -> list[Step]:
-    base = ModelConfig.from_dict(PRESETS[MODELS[0]], source=f"preset {MODELS[0]!r}")
-    heads = base.num_attention_heads
-    return [_step(f"sweep d{d} gqa{g}", dataclasses.replace(base, head_dim=d, num_key_value_heads=heads // g), phase)
-            for d in SWEEP_HEAD_DIMS for g in SWEEP_GROUPS for phase in SWEEP_PHASES]
-
-
-def _act(*shape: int, dtype: torch.dtype = DTYPE) -> torch.Tensor:
-    """An uninitialised tensor: only dtypes, strides and alignment reach the compiler."""
-    return torch.empty(shape, dtype=dtype)
-
-
-def _hybrid(cfg: ModelConfig) -> bool:
-    """Qwen3.5: Gated DeltaNet layers, and full attention with an output gate."""
-    return cfg.architecture.startswith("Qwen3_5")
-
-
-def _attention_views(cfg: ModelConfig, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v [tokens, heads, head_dim] as `Attention.forward` slices the fused projection."""
-    heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q_width = (2 if _hybrid(cfg) else 1) * heads * d
-    q, k, v = _act(tokens, q_width + 2 * kv_heads * d).split([q_width, kv_heads * d, kv_heads * d], dim=-1)
-    q = q.reshape(tokens, heads, 2 * d)[..., :d] if _hybrid(cfg) else q.reshape(tokens, heads, d)
-    return q, k.reshape(tokens, kv_heads, d), v.reshape(tokens, kv_heads, d)
-
-
-def _kv_cache(cfg: ModelConfig) -> torch.Tensor:
-    return _act(SLOTS, MAX_SEQ_LEN, cfg.num_key_value_heads, cfg.head_dim)
-
-
-def _gdn_sizes(cfg: ModelConfig) -> tuple[int, int, int]:
-    """(key_dim, value_dim, conv_dim) of a Gated DeltaNet layer, as `DeltaNet` sizes them."""
-    key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
-    value_dim = cfg.linear_num_value_heads * cfg.linear_value_head_dim
-    return key_dim, value_dim, 2 * key_dim + value_dim
-
-
-def _gdn_in_proj(cfg: ModelConfig, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(qkv [tokens, conv_dim], z [tokens, value heads, value dim]): views of the fused input
-    projection's output, as `DeltaNet.forward` splits it."""
-    _, value_dim, conv_dim = _gdn_sizes(cfg)
-    v_heads = cfg.linear_num_value_heads
-    qkv, z, _, _ = _act(tokens, conv_dim + value_dim + 2 * v_heads).split([conv_dim, value_dim, v_heads, v_heads],
-                                                                          dim=-1)
-    return qkv, z.reshape(tokens, v_heads, cfg.linear_value_head_dim)
-
-
-def _projections(cfg: ModelConfig) -> list[tuple[str, int, int]]:
-    """(name, in features, out features) of a layer's matrices."""
-    heads, kv_heads, d, hidden = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
-    q_width = (2 if _hybrid(cfg) else 1) * heads * d
-    shapes = [("qkv", hidden, q_width + 2 * kv_heads * d), ("o_proj", heads * d, hidden),
-              ("gate_up", hidden, 2 * cfg.intermediate_size), ("down", cfg.intermediate_size, hidden)]
-    if _hybrid(cfg):
-        _, value_dim, conv_dim = _gdn_sizes(cfg)
-        shapes += [("in_proj", hidden, conv_dim + value_dim + 2 * cfg.linear_num_value_heads),
-                   ("out_proj", value_dim, hidden)]
-    return shapes
-
-
-def _body_linear(linear: Callable, step: Step) -> list[Call]:
-    return [(name, partial(linear, _act(step.tokens, i), _act(o, i))) for name, i, o in _projections(step.cfg)]
-
-
-def _linear_calls(linear: Callable, step: Step) -> list[Call]:
-    """Decode rows go through `linear`, and the lm_head rows of every step."""
-    cfg = step.cfg
-    lm_head = ("lm_head", lambda: linear(_act(step.sequences, cfg.hidden_size), _act(cfg.vocab_size, cfg.hidden_size)))
-    return (_body_linear(linear, step) if step.batch.is_decode else []) + [lm_head]
-
-
-def _prefill_linear_calls(linear: Callable, step: Step) -> list[Call]:
-    return [] if step.batch.is_decode else _body_linear(linear, step)
-
-
-def _rms_norm_calls(rms_norm: Callable, step: Step) -> list[Call]:
-    cfg, eps = step.cfg, step.cfg.rms_norm_eps
-    q, k, _ = _attention_views(cfg, step.tokens)
-    return [("hidden", lambda: rms_norm(_act(step.tokens, cfg.hidden_size), _act(cfg.hidden_size), eps)),
-            ("q norm", lambda: rms_norm(q, _act(cfg.head_dim), eps)),
-            ("k norm", lambda: rms_norm(k, _act(cfg.head_dim), eps)),
-            ("final norm", lambda: rms_norm(_act(step.sequences, cfg.hidden_size), _act(cfg.hidden_size), eps))]
-
-
-def _rope_write_kv_calls(rope_write_kv: Callable, step: Step) -> list[Call]:
-    cfg, batch = step.cfg, step.batch
-    q, k, v = _attention_views(cfg, step.tokens)  # q and k are normed into new tensors first
-    table = _act(MAX_SEQ_LEN, cfg.rotary_dim, dtype=torch.float32)
-    return [("", lambda: rope_write_kv(_act(*q.shape), _act(*k.shape), v, batch.positions, table, table,
-                                       _kv_cache(cfg), _kv_cache(cfg), batch.token_slots))]
-
-
-def _decode_attention_calls(decode_attention: Callable, step: Step) -> list[Call]:
-    cfg, batch = step.cfg, step.batch
-    if not batch.is_decode:
-        return []
-    q = _act(step.tokens, cfg.num_attention_heads, cfg.head_dim)
-    return [("", lambda: decode_attention(q, _kv_cache(cfg), _kv_cache(cfg), batch.slot_ids,
-                                          batch.start_positions + 1, cfg.head_dim ** -0.5))]
-
-
-def _prefill_attention_calls(prefill_attention: Callable, step: Step) -> list[Call]:
-    cfg, batch = step.cfg, step.batch
-    if batch.is_decode:
-        return []
-    q = _act(step.tokens, cfg.num_attention_heads, cfg.head_dim)
-    return [("", lambda: prefill_attention(q, _kv_cache(cfg), _kv_cache(cfg), batch.slot_ids, batch.start_positions,
-                                           batch.cu_seqlens, cfg.head_dim ** -0.5))]
-
-
-def _silu_and_mul_calls(silu_and_mul: Callable, step: Step) -> list[Call]:
-    return [("", lambda: silu_and_mul(_act(step.tokens, 2 * step.cfg.intermediate_size)))]
-
-
-def _sample_calls(sample: Callable, step: Step) -> list[Call]:
-    rows = step.sequences
-    logits = _act(rows, step.cfg.vocab_size, dtype=torch.float32)  # the model's logits are fp32
-    params = (torch.ones(rows), torch.zeros(rows, dtype=torch.int64), torch.ones(rows),
-              torch.zeros(rows, dtype=torch.int64), step.batch.positions[step.batch.last_token_indices] + 1)
-    return [("", lambda: sample(logits, *params))]
-
-
-def _conv_state(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(conv weight [conv_dim, K], conv states [slots, conv_dim, K - 1])."""
-    conv_dim, width = _gdn_sizes(cfg)[2], cfg.linear_conv_kernel_dim
-    return _act(conv_dim, width), _act(SLOTS, conv_dim, width - 1)
-
-
-def _conv1d_prefill_calls(conv1d_prefill: Callable, step: Step) -> list[Call]:
-    if not _hybrid(step.cfg) or step.batch.is_decode:
-        return []
-    qkv, _ = _gdn_in_proj(step.cfg, step.tokens)
-    return [("", lambda: conv1d_prefill(qkv, *_conv_state(step.cfg), step.batch.slot_ids, step.batch.cu_seqlens))]
-
-
-def _conv1d_decode_calls(conv1d_decode: Callable, step: Step) -> list[Call]:
-    if not _hybrid(step.cfg) or not step.batch.is_decode:
-        return []
-    qkv, _ = _gdn_in_proj(step.cfg, step.tokens)
-    return [("", lambda: conv1d_decode(qkv, *_conv_state(step.cfg), step.batch.slot_ids))]
-
-
-def _gated_delta_args(cfg: ModelConfig, tokens: int) -> tuple[torch.Tensor, ...]:
-    """(q, k, v, g, beta, states) as `DeltaNet.forward` passes them: q, k, v views of the conv output."""
-    key_dim, value_dim, conv_dim = _gdn_sizes(cfg)
-    k_heads, v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    q, k, v = _act(tokens, conv_dim).split([key_dim, key_dim, value_dim], dim=-1)
-    g, beta = _act(tokens, v_heads, dtype=torch.float32), _act(tokens, v_heads, dtype=torch.float32)
-    states = _act(SLOTS, v_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, dtype=torch.float32)
-    return (q.reshape(tokens, k_heads, -1), k.reshape(tokens, k_heads, -1), v.reshape(tokens, v_heads, -1), g, beta,
-            states)
-
-
-def _gated_delta_prefill_calls(gated_delta_prefill: Callable, step: Step) -> list[Call]:
-    batch = step.batch
-    if not _hybrid(step.cfg) or batch.is_decode:
-        return []
-    args = _gated_delta_args(step.cfg, step.tokens)
-    return [("", lambda: gated_delta_prefill(*args, batch.slot_ids, batch.start_positions, batch.cu_seqlens))]
-
-
-def _gated_delta_decode_calls(gated_delta_decode: Callable, step: Step) -> list[Call]:
-    if not _hybrid(step.cfg) or not step.batch.is_decode:
-        return []
-    args = _gated_delta_args(step.cfg, step.tokens)
-    return [("", lambda: gated_delta_decode(*args, step.batch.slot_ids))]
-
-
-def _rms_norm_gated_calls(rms_norm_gated: Callable, step: Step) -> list[Call]:
-    cfg = step.cfg
-    if not _hybrid(cfg):
-        return []
-    _, z = _gdn_in_proj(cfg, step.tokens)
-    out = _act(*z.shape)  # the gated delta rule's output
-    return [("", lambda: rms_norm_gated(out, z, _act(cfg.linear_value_head_dim), cfg.rms_norm_eps))]
-
-
-# Op table field -> the calls a step makes of it. Every op with a Triton kernel (not the embedding).
-_CALLS: dict[str, Callable[[Callable, Step], list[Call]]] = {
-    "rms_norm": _rms_norm_calls,
-    "rope_write_kv": _rope_write_kv_calls,
-    "prefill_attention": _prefill_attention_calls,
-    "decode_attention": _decode_attention_calls,
-    "silu_and_mul": _silu_and_mul_calls,
-    "linear": _linear_calls,
-    "prefill_linear": _prefill_linear_calls,
-    "sample": _sample_calls,
-    "conv1d_prefill": _conv1d_prefill_calls,
-    "conv1d_decode": _conv1d_decode_calls,
-    "gated_delta_prefill": _gated_delta_prefill_calls,
-    "gated_delta_decode": _gated_delta_decode_calls,
-    "rms_norm_gated": _rms_norm_gated_calls,
-}
-OPS = tuple(_CALLS)
-
-
 # -- capture ------------------------------------------------------------------------------------
 
 
@@ -405,15 +154,15 @@ def capture_launches(ops: Sequence[str]) -> list[Launch]:
     the sweep), in step order."""
     table = get_ops("triton")
     launches = []
-    for step in _model_steps() + _sweep_steps():
+    for step in model_steps() + sweep_steps():
         for op in ops:
             if step.name.startswith("sweep") and op not in ATTENTION_OPS:
                 continue
-            for part, call in _CALLS[op](getattr(table, op), step):
+            for call in op_calls(op, step):
+                args = call.args()
                 with capture() as recorded:
-                    call()
-                label = f"{step.name}: {part}" if part else step.name
-                launches += [Launch(op, label, kernel, args, kwargs) for kernel, args, kwargs in recorded]
+                    getattr(table, op)(*args)
+                launches += [Launch(op, call.label, kernel, args, kwargs) for kernel, args, kwargs in recorded]
     return launches
 
 
