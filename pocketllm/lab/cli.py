@@ -9,6 +9,7 @@ import torch
 
 from ..config import DTYPES
 from ..kernels.registry import IMPLEMENTATIONS, OP_NAMES
+from . import bench as lab_bench
 from . import compile as lab_compile
 
 CHECK_DESCRIPTION = ("Check an implementation of an op: against the op's reference on its case grid, batch and "
@@ -57,6 +58,7 @@ def _run_check(args: argparse.Namespace) -> int:
 def add_parser(subparsers: Any) -> None:
     """`lab` and its subcommands, on the project command line's subparsers."""
     lab = subparsers.add_parser("lab", help="kernel lab: check, bench and compile op implementations")
-    sub = lab.add_subparsers(dest="lab_command", required=True, metavar="{check,compile}")
+    sub = lab.add_subparsers(dest="lab_command", required=True, metavar="{check,bench,compile}")
     _add_check(sub)
+    lab_bench.add_parser(sub)
     lab_compile.add_parser(sub)

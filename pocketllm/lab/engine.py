@@ -36,21 +36,18 @@ class Job:
     cancel_step: int | None  # steps after arrival; None: never cancelled
 
 
-sampling_params = st.builds(
-    SamplingParams,
-    max_tokens=st.integers(1, 24),
-    temperature=st.sampled_from([0.0, 0.0, 0.5, 1.0, 1.7]),
-    top_k=st.sampled_from([0, 0, 1, 5, 40]),
-    top_p=st.sampled_from([1.0, 1.0, 0.9, 0.5]),
-    seed=st.integers(0, 2**64 - 1),
-    ignore_eos=st.booleans(),
-)
+def sampling_params(max_tokens: int = 24) -> st.SearchStrategy:
+    """Greedy and seeded sampling with temperature, top-k and top-p, 1..max_tokens new tokens."""
+    return st.builds(SamplingParams, max_tokens=st.integers(1, max_tokens),
+                     temperature=st.sampled_from([0.0, 0.0, 0.5, 1.0, 1.7]), top_k=st.sampled_from([0, 0, 1, 5, 40]),
+                     top_p=st.sampled_from([1.0, 1.0, 0.9, 0.5]), seed=st.integers(0, 2**64 - 1),
+                     ignore_eos=st.booleans())
 
 
-def workloads(vocab: int, max_prompt: int = 64, max_jobs: int = 12) -> st.SearchStrategy:
+def workloads(vocab: int, max_prompt: int = 64, max_jobs: int = 12, max_tokens: int = 24) -> st.SearchStrategy:
     """(jobs, max_batch_size): prompts of 1..max_prompt tokens arriving at steps 0..12."""
     jobs = st.builds(Job, prompt=st.lists(st.integers(0, vocab - 1), min_size=1, max_size=max_prompt).map(tuple),
-                     params=sampling_params, arrival_step=st.integers(0, 12),
+                     params=sampling_params(max_tokens), arrival_step=st.integers(0, 12),
                      cancel_step=st.none() | st.integers(0, 10))
     return st.tuples(st.lists(jobs, min_size=1, max_size=max_jobs), st.integers(1, 8))
 
