@@ -25,6 +25,7 @@ import torch
 from conftest import budget
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from kernel_impls import DEVICE
 from sampling_oracle import uniforms
 
 from pocketllm.kernels.sample import _launch_sample, allowed_mask, sample_ref
@@ -87,12 +88,18 @@ def _params(temperature: float, top_k: int, top_p: float, seed: int, position: i
             torch.tensor([top_p], dtype=torch.float32), torch.tensor([seed]), torch.tensor([position]))
 
 
+def _on_device(t: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel's inputs live on the kernel tests' device (CUDA when present)."""
+    return t.to(DEVICE)
+
+
 def _run(sampler: str, exponents, temperature, top_k, top_p, seed, position) -> tuple[set[int], int]:
     """(allowed set, token) of one sampler on one row."""
     logits = _row(exponents, temperature)
     params = _params(temperature, top_k, top_p, seed, position)
     if sampler == "triton":
-        tokens, _, _, allowed = _launch_sample(logits, *params, debug=True)
+        tokens, _, _, allowed = (out.cpu() for out in _launch_sample(_on_device(logits), *map(_on_device, params),
+                                                                      debug=True))
     else:
         tokens, _ = sample_ref(logits, *params)
         allowed = allowed_mask(logits / params[0][:, None], params[1], params[2])
@@ -189,7 +196,7 @@ def test_temperature_at_the_greedy_threshold(sampler):
         for temperature in (0.0, MIN_TEMPERATURE):
             params = _params(temperature, 0, 1.0, seed, 11)
             if sampler == "triton":
-                token = int(_launch_sample(logits, *params, debug=False)[0][0])
+                token = int(_launch_sample(_on_device(logits), *map(_on_device, params), debug=False)[0][0])
             else:
                 token = int(sample_ref(logits, *params)[0][0])
             if temperature == 0.0:
