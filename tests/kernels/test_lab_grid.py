@@ -30,8 +30,8 @@ def test_implementation_passes_the_op_checks(op, impl):
 
 
 def test_the_grids_cover_the_promised_shapes():
-    """Empty-free grids with a one-member case, several members, and (prefill ops) a sequence
-    long enough to be cut at an aligned position."""
+    """Each op's grid has a one-member case, a case of several members, and (prefill ops) a
+    sequence that crosses an aligned position, where the split check cuts it."""
     for op in OP_NAMES:
         cases = op_cases(op, (torch.float32,))
         assert any(len(c.members) == 1 for c in cases), op
