@@ -54,8 +54,17 @@ def prefill_attention_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 PREFILL_BLOCK_M = 64  # query rows per prefill tile
 
+# BLOCK_D -> (BLOCK_N keys per block, num_warps), num_stages 2 throughout: fixed per head dim, never
+# chosen by the batch. Sized with `pocketllm lab compile` so no launch spills on sm_80 or sm_90: with
+# 64 keys and 4 warps, d128 (sm_80) and d256 (both) ran out of registers (255 + spills); halving the
+# key block and doubling the warps gives regs/shared sm_80 128/36 KB, sm_90 91/49 KB at d128 and
+# sm_80 185/68 KB, sm_90 173/97 KB at d256 (d64 unchanged: 178/24 KB, 146/41 KB).
+PREFILL_TILES = {64: (64, 4), 128: (32, 8), 256: (32, 8)}
 
-PREFILL_BLOCK_N = 64  # keys per prefill block
+
+def _prefill_tile(block_d: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) for a BLOCK_D; head dims under 64 use the d64 entry, over 256 the d256 one."""
+    return PREFILL_TILES[min(max(block_d, 64), 256)]
 
 
 @triton.jit
@@ -145,11 +154,12 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     if num_tokens == 0:
         return out
     tile_seq, tile_row = _prefill_tiles(cu_seqlens, start_positions, PREFILL_BLOCK_M)
+    block_d = _block_d(head_dim)
+    block_n, num_warps = _prefill_tile(block_d)
     _prefill_kernel[(tile_seq.numel(), num_heads)](
         q, k_cache, v_cache, out, slot_ids, start_positions, cu_seqlens, tile_seq, tile_row,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), scale,
-        GROUP=group, HEAD_DIM=head_dim,
-        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, BLOCK_D=_block_d(head_dim),
-        DOT_PRECISION=_dot_precision(q.dtype), num_stages=2)
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=2)
     return out
 

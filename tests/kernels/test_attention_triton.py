@@ -176,9 +176,10 @@ def _one_vs_two_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split", [1, 17, 64, 65, 129])
-def test_prefill_in_two_pieces_equals_one_piece(dtype, split):
+@pytest.mark.parametrize("head_dim", [24, 128])  # 64-key blocks, 32-key blocks (PREFILL_TILES)
+def test_prefill_in_two_pieces_equals_one_piece(dtype, split, head_dim):
     """Chunked prefill over a cached first piece gives bitwise the rows of one-piece prefill."""
-    q, k, v, slots, _, _ = _prefill_case((130,), (0,), 4, 2, 24, dtype, seed=11)
+    q, k, v, slots, _, _ = _prefill_case((130,), (0,), 4, 2, head_dim, dtype, seed=11)
     whole, pieces = _one_vs_two_pieces(q, k, v, int(slots[0]), split, 0.3)
     assert torch.equal(whole, pieces)
 
