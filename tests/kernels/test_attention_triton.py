@@ -1,5 +1,6 @@
-"""The Triton attention kernels (pocketllm/kernels/prefill_attention.py, decode_attention.py) against their torch references,
-and their invariance contract, checked bitwise: a sequence's output does not depend on the batch
+"""The attention kernels under test (by default the Triton ones in pocketllm/kernels/prefill_attention.py
+and decode_attention.py) against their torch references, and their invariance contract, checked
+bitwise: a sequence's output does not depend on the batch
 around it, on its slot, or (prefill) on how its prompt was cut into pieces.
 
 CPU runs use the Triton interpreter (fp32, fp16; tiny head counts to stay fast); the `gpu` tests
