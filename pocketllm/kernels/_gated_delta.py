@@ -8,7 +8,6 @@ Value heads outnumber key heads in groups: value head h reads key head h // (Hv 
 
 import torch
 
-from ._triton import tl, triton
 from .checks import check_dtype, check_groups, check_shape
 
 CHUNK_SIZE = 64
@@ -25,17 +24,6 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.
     k = _l2norm(k.float())
     return (q.repeat_interleave(group, dim=1).transpose(0, 1).contiguous(),
             k.repeat_interleave(group, dim=1).transpose(0, 1).contiguous())
-
-
-@triton.jit
-def _load_unit_rows(ptr, rows, row_stride, col_stride, row_mask, DK: tl.constexpr, BLOCK_DK: tl.constexpr):
-    """Rows of q or k as fp32 [len(rows), BLOCK_DK], each L2-normalised (eps 1e-6); masked rows and
-    the padding columns are zero."""
-    d = tl.arange(0, BLOCK_DK)
-    mask = row_mask[:, None] & (d < DK)[None, :]
-    x = tl.load(ptr + rows[:, None] * row_stride + d[None, :].to(tl.int64) * col_stride, mask=mask,
-                other=0.0).to(tl.float32)
-    return x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
 
 
 def _check_gated_delta_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -5,14 +5,14 @@ Chunks are CHUNK_SIZE positions aligned to absolute positions and always compute
 (padded with inert tokens), so a sequence's outputs and final state do not depend on the batch,
 and a prompt split at a chunk boundary gives bitwise the same result as in one piece.
 `gated_delta_prefill_triton` walks the same chunks, one program per sequence, value head and block
-of value columns, its UT transform solved by forward substitution in registers.
+of value columns, updating the state in its slot and solving the UT transform by forward substitution.
 """
 
 from typing import Protocol
 
 import torch
 
-from ._gated_delta import CHUNK_SIZE, _check_gated_delta_args, _load_unit_rows, _prepare
+from ._gated_delta import CHUNK_SIZE, _check_gated_delta_args, _prepare
 from ._triton import kernel_device_ok, tl, triton
 from .checks import check_shape
 
@@ -83,10 +83,19 @@ def gated_delta_prefill_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     return out
 
 
-PREFILL_BLOCK_DV = 32  # value columns per prefill program (capped by Dv)
+# Value columns and key rows of the state per step, and warps, of a prefill program. The program's
+# tiles are [CHUNK, CHUNK] or CHUNK by one of these (tl.dot needs 16 or more); wider steps spill.
+PREFILL_BLOCK_DV = 16
+PREFILL_BLOCK_DK = 16
+PREFILL_NUM_WARPS = 8
 
 
-PREFILL_NUM_WARPS = 8  # the prefill program holds several [64, Dk] fp32 tiles at once
+@triton.jit
+def _load_rows(ptr, rows, row_stride, col_stride, row_mask, cols, DK: tl.constexpr):
+    """fp32 [len(rows), len(cols)] of q or k; masked rows and columns past DK are zero."""
+    mask = row_mask[:, None] & (cols < DK)[None, :]
+    return tl.load(ptr + rows[:, None] * row_stride + cols[None, :].to(tl.int64) * col_stride, mask=mask,
+                   other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -96,10 +105,19 @@ def _gated_delta_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr
                                 GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr,
                                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Program (i, h, j): sequence i, value head h, value columns [j * BLOCK_DV, (j + 1) * BLOCK_DV),
-    walking the sequence's chunks (aligned to absolute positions) in order with the state in registers."""
+    walking the sequence's chunks (aligned to absolute positions) in order.
+
+    The state tile [Dk, BLOCK_DV] stays in the slot (fp32, in place) and is read and written
+    BLOCK_DK rows at a time, as are q and k (BLOCK_DK columns at a time), so no tile is Dk wide:
+    an fp32 dot holds its operands' whole rows per thread, and [CHUNK, Dk] operands with the
+    state in registers spilled kilobytes per thread at Dk = 128. The UT transform is solved by
+    forward substitution on the right-hand side [CHUNK, BLOCK_DV] directly, not by forming
+    (I + L)^-1. All loop trip counts are fixed by Dk and CHUNK, so every chunk runs the same
+    arithmetic."""
     seq = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
-    kh = h // GROUP
+    q_head = q_ptr + (h // GROUP) * q_sh
+    k_head = k_ptr + (h // GROUP) * k_sh
     lo = tl.load(cu_ptr + seq).to(tl.int64)
     length = tl.load(cu_ptr + seq + 1).to(tl.int64) - lo
     start = tl.load(starts_ptr + seq).to(tl.int64)
@@ -108,14 +126,10 @@ def _gated_delta_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr
     dk = tl.arange(0, BLOCK_DK)
     dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     dv_mask = dv < DV
-    state_mask = (dk < DK)[:, None] & dv_mask[None, :]
-    tile = (states_ptr + slot * s_ss + h * s_sh + dk[:, None].to(tl.int64) * s_sk
-            + dv[None, :].to(tl.int64) * s_sv)
-    state = tl.load(tile, mask=state_mask, other=0.0)
+    state_head = states_ptr + slot * s_ss + h * s_sh + dv[None, :].to(tl.int64) * s_sv
 
     r = tl.arange(0, CHUNK)
     causal = r[:, None] >= r[None, :]
-    eye = (r[:, None] == r[None, :]).to(tl.float32)
     first_chunk = start // CHUNK
     num_chunks = tl.where(length > 0, (start + length - 1) // CHUNK - first_chunk + 1, 0)
     for c in range(num_chunks):
@@ -124,37 +138,79 @@ def _gated_delta_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr
         offset = (first_chunk + c) * CHUNK + r - start
         valid = (offset >= 0) & (offset < length)
         tok = lo + tl.where(valid, offset, 0)
-        q = _load_unit_rows(q_ptr + kh * q_sh, tok, q_st, q_sd, valid, DK, BLOCK_DK) * scale
-        k = _load_unit_rows(k_ptr + kh * k_sh, tok, k_st, k_sd, valid, DK, BLOCK_DK)
         v = tl.load(v_ptr + tok[:, None] * v_st + h * v_sh + dv[None, :].to(tl.int64) * v_sd,
                     mask=valid[:, None] & dv_mask[None, :], other=0.0).to(tl.float32)
         g = tl.load(g_ptr + tok * g_st + h * g_sh, mask=valid, other=0.0).to(tl.float32)
         beta = tl.load(beta_ptr + tok * b_st + h * b_sh, mask=valid, other=0.0).to(tl.float32)
-
         cum = tl.sum(tl.where(causal, g[None, :], 0.0), axis=1)  # inclusive prefix sums of g
         cum_last = tl.sum(tl.where(r == CHUNK - 1, cum, 0.0), axis=0)
+
+        # q and k rows are L2-normalised (eps 1e-6), their squared norms summed first.
+        q_sq = tl.zeros([CHUNK], dtype=tl.float32)
+        k_sq = tl.zeros([CHUNK], dtype=tl.float32)
+        for d0 in range(0, DK, BLOCK_DK):
+            q = _load_rows(q_head, tok, q_st, q_sd, valid, d0 + dk, DK)
+            k = _load_rows(k_head, tok, k_st, k_sd, valid, d0 + dk, DK)
+            q_sq += tl.sum(q * q, axis=1)
+            k_sq += tl.sum(k * k, axis=1)
+        q_scale = tl.rsqrt(q_sq + 1e-6) * scale
+        k_scale = tl.rsqrt(k_sq + 1e-6)
+
+        # v_new = T (beta v) - T (beta k exp(cum)) S = T (beta (v - exp(cum) k S)), T = (I + L)^-1 with
+        # L the strictly lower part of (beta k k^T) * decay. k k^T and k S over BLOCK_DK-wide steps, in
+        # separate loops (as q k^T and q S below) so that fewer dot operands are live at once.
+        gram = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+        k_state = tl.zeros([CHUNK, BLOCK_DV], dtype=tl.float32)
+        for d0 in range(0, DK, BLOCK_DK):
+            k = _load_rows(k_head, tok, k_st, k_sd, valid, d0 + dk, DK) * k_scale[:, None]
+            gram += tl.dot(k, tl.trans(k), input_precision="ieee")
+        for d0 in range(0, DK, BLOCK_DK):
+            k = _load_rows(k_head, tok, k_st, k_sd, valid, d0 + dk, DK) * k_scale[:, None]
+            state = tl.load(state_head + (d0 + dk)[:, None].to(tl.int64) * s_sk,
+                            mask=(d0 + dk < DK)[:, None] & dv_mask[None, :], other=0.0)
+            k_state += tl.dot(k, state, input_precision="ieee")
         decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
-        k_beta = k * beta[:, None]
-        # T = (I + L)^-1 with L the strictly lower part of (k_beta k^T) * decay, by forward
-        # substitution: row i of T is e_i - sum_{j < i} L[i, j] T[j].
-        lower = tl.where(r[:, None] > r[None, :],
-                         tl.dot(k_beta, tl.trans(k), input_precision="ieee") * decay, 0.0)
-        solve = eye
+        lower = tl.where(r[:, None] > r[None, :], gram * beta[:, None] * decay, 0.0)
+        # Forward substitution solves (I + L) v_new = rhs row by row: row i is rhs[i] minus
+        # sum_{j < i} L[i, j] v_new[j] (rows from i on still hold rhs).
+        v_new = beta[:, None] * (v - tl.exp(cum)[:, None] * k_state)
         for i in range(1, CHUNK):
             l_row = tl.sum(tl.where(r[:, None] == i, lower, 0.0), axis=0)
-            new_row = tl.where(r == i, 1.0, 0.0) - tl.sum(l_row[:, None] * solve, axis=0)
-            solve = tl.where(r[:, None] == i, new_row[None, :], solve)
-        new_values = tl.dot(solve, v * beta[:, None], input_precision="ieee")
-        k_decayed = tl.dot(solve, k_beta * tl.exp(cum)[:, None], input_precision="ieee")
-        v_new = new_values - tl.dot(k_decayed, state, input_precision="ieee")
-        attn = tl.dot(q, tl.trans(k), input_precision="ieee") * decay
-        out = (tl.dot(q * tl.exp(cum)[:, None], state, input_precision="ieee")
-               + tl.dot(attn, v_new, input_precision="ieee"))
+            row = tl.sum(tl.where(r[:, None] == i, v_new, 0.0), axis=0) - tl.sum(l_row[:, None] * v_new, axis=0)
+            v_new = tl.where(r[:, None] == i, row[None, :], v_new)
+
+        # out = exp(cum) q S + (q k^T * decay) v_new, q k^T and q S over BLOCK_DK-wide steps.
+        scores = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+        q_state = tl.zeros([CHUNK, BLOCK_DV], dtype=tl.float32)
+        for d0 in range(0, DK, BLOCK_DK):
+            q = _load_rows(q_head, tok, q_st, q_sd, valid, d0 + dk, DK) * q_scale[:, None]
+            k = _load_rows(k_head, tok, k_st, k_sd, valid, d0 + dk, DK) * k_scale[:, None]
+            scores += tl.dot(q, tl.trans(k), input_precision="ieee")
+        for d0 in range(0, DK, BLOCK_DK):
+            q = _load_rows(q_head, tok, q_st, q_sd, valid, d0 + dk, DK) * q_scale[:, None]
+            state = tl.load(state_head + (d0 + dk)[:, None].to(tl.int64) * s_sk,
+                            mask=(d0 + dk < DK)[:, None] & dv_mask[None, :], other=0.0)
+            q_state += tl.dot(q, state, input_precision="ieee")
+        # Products over the chunk's rows go as batched dots over groups of 16 rows (K = 16): a
+        # single dot with K = CHUNK would hold 64-long operand rows per thread.
+        v_groups = tl.reshape(v_new, [CHUNK // 16, 16, BLOCK_DV])
+        attn = tl.permute(tl.reshape(scores * decay, [CHUNK, CHUNK // 16, 16]), [1, 0, 2])
+        out = tl.exp(cum)[:, None] * q_state + tl.sum(tl.dot(attn, v_groups, input_precision="ieee"), axis=0)
         tl.store(out_ptr + tok[:, None] * o_st + h * o_sh + dv[None, :].to(tl.int64) * o_sd,
                  out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & dv_mask[None, :])
-        k_to_end = k * tl.exp(cum_last - cum)[:, None]
-        state = state * tl.exp(cum_last) + tl.dot(tl.trans(k_to_end), v_new, input_precision="ieee")
-    tl.store(tile, state, mask=state_mask)
+
+        # S <- exp(cum_last) S + (k exp(cum_last - cum))^T v_new. The barriers order this program's
+        # threads' reads and writes of the slot (the state is spread over them differently).
+        tl.debug_barrier()
+        for d0 in range(0, DK, BLOCK_DK):
+            rows = d0 + dk
+            mask = (rows < DK)[:, None] & dv_mask[None, :]
+            tile = state_head + rows[:, None].to(tl.int64) * s_sk
+            k = _load_rows(k_head, tok, k_st, k_sd, valid, rows, DK) * (k_scale * tl.exp(cum_last - cum))[:, None]
+            state = tl.load(tile, mask=mask, other=0.0) * tl.exp(cum_last)
+            k_groups = tl.permute(tl.reshape(tl.trans(k), [BLOCK_DK, CHUNK // 16, 16]), [1, 0, 2])
+            tl.store(tile, state + tl.sum(tl.dot(k_groups, v_groups, input_precision="ieee"), axis=0), mask=mask)
+        tl.debug_barrier()
 
 
 def gated_delta_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -166,7 +222,7 @@ def gated_delta_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     [Dk, BLOCK_DV] state tile, and walks the sequence's chunks in order. Every chunk is a full
     CHUNK_SIZE-row tile of absolute positions (rows outside the sequence masked to inert zeros)
     computed with the same fixed-shape arithmetic, and the state between chunks is held in fp32
-    (registers, or the slot when a prompt is split). So a sequence's result does not depend on the
+    in the slot (split prompt or not). So a sequence's result does not depend on the
     batch, and a prompt split at a multiple of CHUNK_SIZE runs exactly the same chunk computations.
     """
     kernel_device_ok(q)
@@ -185,6 +241,7 @@ def gated_delta_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         q, k, v, g, beta, states, slot_ids, start_positions, cu_seqlens, out, *q.stride(), *k.stride(),
         *v.stride(), *g.stride(), *beta.stride(), *states.stride(), *out.stride(), dim_k ** -0.5,
         GROUP=group, DK=dim_k, DV=dim_v, CHUNK=CHUNK_SIZE,
-        BLOCK_DK=max(triton.next_power_of_2(dim_k), 16), BLOCK_DV=block_dv, num_warps=PREFILL_NUM_WARPS)
+        BLOCK_DK=min(max(triton.next_power_of_2(dim_k), 16), PREFILL_BLOCK_DK), BLOCK_DV=block_dv,
+        num_warps=PREFILL_NUM_WARPS)
     return out
 
