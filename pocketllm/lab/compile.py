@@ -47,18 +47,22 @@ from .launches import ATTENTION_OPS, OPS, model_steps, op_calls, sweep_steps
 
 @dataclass(frozen=True)
 class Target:
-    """An NVIDIA GPU architecture and the one limit that differs between those supported here."""
+    """An NVIDIA GPU architecture and the limits that differ between those supported here."""
 
     name: str
     capability: int
     max_shared: int  # bytes of shared memory per block, with the opt-in
+    shared_per_sm: int  # bytes of shared memory per SM
 
 
-TARGETS = {t.name: t for t in (Target("sm_80", 80, 166912), Target("sm_90", 90, 232448))}
+TARGETS = {t.name: t for t in (Target("sm_80", 80, 166912, 167936), Target("sm_90", 90, 232448, 233472))}
 MAX_REGISTERS_PER_THREAD = 255
-REGISTERS_PER_BLOCK = 65536
+REGISTERS_PER_BLOCK = 65536  # also the register file of one SM on both targets
 REGISTER_GRANULE = 8  # a thread's registers are allocated in multiples of 8 (256 per warp)
 WARP_SIZE = 32
+MAX_WARPS_PER_SM = 64
+MAX_BLOCKS_PER_SM = 32
+RESERVED_SHARED_PER_BLOCK = 1024  # the runtime keeps 1 KB of each block's shared memory from sm_80 on
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,15 @@ def check_fit(usage: Usage, num_warps: int, target: Target, allow_spills: bool =
         spill = f"spills: {usage.stack} B of local memory per thread"
         (notes if allow_spills else failures).append(spill + (" (allowed)" if allow_spills else ""))
     return not failures, "; ".join(failures + notes)
+
+
+def occupancy(regs: int, shared: int, num_warps: int, target: Target) -> tuple[int, float]:
+    """(blocks resident per SM, share of the SM's warp slots they fill) as registers, shared memory
+    and warps allow: how much latency the SM can hide by switching warps, before any measurement."""
+    by_registers = REGISTERS_PER_BLOCK // (-(-regs // REGISTER_GRANULE) * REGISTER_GRANULE * num_warps * WARP_SIZE)
+    by_shared = target.shared_per_sm // (shared + RESERVED_SHARED_PER_BLOCK)
+    blocks = min(by_registers, by_shared, MAX_WARPS_PER_SM // num_warps, MAX_BLOCKS_PER_SM)
+    return blocks, blocks * num_warps / MAX_WARPS_PER_SM
 
 
 # -- capture ------------------------------------------------------------------------------------
@@ -298,7 +311,8 @@ def _compile_in_subprocess(targets: list[str], ops: list[str], allow_spills: boo
 
 # -- output and command line --------------------------------------------------------------------
 
-_COLUMNS = ("target", "op", "kernel", "shape", "warps", "regs", "stack B", "shared B", "result")
+_COLUMNS = ("target", "op", "kernel", "shape", "warps", "regs", "stack B", "shared B", "blocks/SM (occupancy)",
+            "result")
 
 
 def _cells(report: KernelReport) -> tuple[str, ...]:
@@ -306,8 +320,12 @@ def _cells(report: KernelReport) -> tuple[str, ...]:
         return "-" if value is None else str(value)
 
     result = ("ok" if report.ok else "FAIL") + (f": {report.reason}" if report.reason else "")
+    resident = "-"
+    if report.regs is not None and report.shared is not None and report.target in TARGETS:
+        blocks, share = occupancy(report.regs, report.shared, report.num_warps, TARGETS[report.target])
+        resident = f"{blocks} ({share:.0%})"
     return (report.target, report.op, report.kernel, report.shape, str(report.num_warps), number(report.regs),
-            number(report.stack), number(report.shared), result)
+            number(report.stack), number(report.shared), resident, result)
 
 
 def format_table(reports: Sequence[KernelReport]) -> str:

@@ -248,3 +248,16 @@ def test_add_parser_wires_the_compile_command():
     add_parser(lab)
     args = parser.parse_args(["lab", "compile", "--target", "sm_80", "--allow-spills", "rms_norm", "sample"])
     assert args.func is run and args.target == ["sm_80"] and args.ops == ["rms_norm", "sample"] and args.allow_spills
+
+
+@pytest.mark.parametrize("regs, shared, warps, target, blocks", [
+    (255, 0, 4, "sm_80", 2),        # 256 registers x 128 threads: two blocks fill the 65,536-register file
+    (32, 98304, 8, "sm_80", 1),     # 96 KB (+1 KB reserved) of the SM's 164 KB: one block
+    (32, 98304, 8, "sm_90", 2),     # of sm_90's 228 KB: two
+    (24, 16, 4, "sm_80", 16),       # limited by the 64 warp slots: 16 blocks of 4 warps
+    (16, 0, 1, "sm_90", 32),        # limited by 32 blocks per SM
+])
+def test_occupancy_follows_the_tightest_limit(regs, shared, warps, target, blocks):
+    from pocketllm.lab.compile import TARGETS, occupancy
+
+    assert occupancy(regs, shared, warps, TARGETS[target]) == (blocks, blocks * warps / 64)
