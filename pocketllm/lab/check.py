@@ -217,8 +217,12 @@ def check(op: str, impl: ImplSpec, vs: Iterable[ImplSpec] = (), device: torch.de
     verdict = check_kernel(op, impl, vs, device, dtypes)
     fn = resolve(op, impl)
     if examples or parity:
-        from .engine import engine_property, greedy_parity  # needs hypothesis / transformers: the dev extra
-
+        try:
+            from .engine import engine_property, greedy_parity
+        except ImportError as exc:
+            raise ImportError(f"the engine checks need hypothesis and transformers ({exc}): install "
+                              f"pocketllm[dev], or pass examples=0 and parity=False (--examples 0 --no-parity)"
+                              ) from exc
         for preset in presets or engine_presets(op):
             if examples:
                 error = engine_property({op: fn}, preset, examples)
