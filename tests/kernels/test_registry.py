@@ -94,7 +94,8 @@ def variant_module(monkeypatch):
 
 def _generate(path, **kwargs) -> tuple[list[int], list[float]]:
     llm = LLM(EngineArgs(model=str(path), max_seq_len=64, **kwargs))
-    result = llm.generate(prompt_tokens=[5, 6, 7, 8], sampling_params=SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0))
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
+    result = llm.generate(prompt_tokens=[5, 6, 7, 8], sampling_params=params)
     return result.token_ids, result.logprobs
 
 

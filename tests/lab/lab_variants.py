@@ -33,3 +33,9 @@ def decode_attention_wrong_signature(q: torch.Tensor, k_cache: torch.Tensor, v_c
                                      slot_ids: torch.Tensor, scale: float) -> torch.Tensor:
     """Broken: no seq_lens parameter."""
     return q
+
+
+def silu_and_mul_up_gate_swapped(gate_up: torch.Tensor) -> torch.Tensor:
+    """Broken: reads up first and gate second."""
+    half = gate_up.shape[-1] // 2
+    return F.silu(gate_up[:, half:]) * gate_up[:, :half]
