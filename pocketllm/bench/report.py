@@ -56,12 +56,12 @@ def machine_info() -> dict[str, Any]:
         hf_version = importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:
         hf_version = None
-    return {"platform": platform.platform(), "processor": _cpu_name(), "cpu_count": os.cpu_count(),
+    return {"platform": platform.platform(), "processor": cpu_name(), "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "transformers": hf_version, "load_average_1min_at_start": load_average()}
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     """The CPU model (platform.processor() is empty on most Linux systems)."""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():

@@ -11,6 +11,7 @@ notebook, a test file), and `resolve` turns what a user writes in `EngineArgs(op
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Callable, Mapping
@@ -88,13 +89,19 @@ def check_op_name(op: str, field: str = "op") -> None:
         raise ValueError(f"{field} must be one of {OP_NAMES}, got {op!r}")
 
 
+@functools.cache
+def parameters(op: str) -> tuple[inspect.Parameter, ...]:
+    """The parameters of op `op`'s signature in call order (its Protocol's `__call__` without self)."""
+    return tuple(inspect.signature(SIGNATURES[op].__call__).parameters.values())[1:]
+
+
 def check_signature(op: str, fn: Callable[..., Any]) -> None:
     """TypeError unless `fn` can be called as op `op`'s signature says: the same parameters, in
     the same order and with the same names, each optional one optional too; anything `fn` takes
     beyond them must have a default. A function taking *args is accepted as it is."""
     if not callable(fn):
         raise TypeError(f"an implementation of {op} must be callable, got {type(fn).__name__}")
-    want = list(inspect.signature(SIGNATURES[op].__call__).parameters.values())[1:]  # drop self
+    want = parameters(op)
     try:
         got = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
@@ -114,7 +121,7 @@ def check_signature(op: str, fn: Callable[..., Any]) -> None:
                  if p.default is p.empty and p.kind not in (p.VAR_KEYWORD,)]
     if problems:
         expected_sig = "(" + ", ".join(str(p) for p in want) + ")"
-        raise TypeError(f"{_describe(fn)} does not match the signature of op {op}{expected_sig}: "
+        raise TypeError(f"{describe(fn)} does not match the signature of op {op}{expected_sig}: "
                         + "; ".join(problems))
 
 
@@ -172,7 +179,11 @@ def check_overrides(overrides: Mapping[str, ImplSpec], field: str = "op_override
     return resolved
 
 
-def _describe(fn: Callable[..., Any]) -> str:
-    module = getattr(fn, "__module__", None)
-    name = getattr(fn, "__qualname__", None) or type(fn).__name__
-    return f"{module}.{name}" if module else name
+def describe(spec: ImplSpec) -> str:
+    """How reports name an implementation: a registered name or import path as given, a callable
+    as "module:qualname" (the form `resolve` takes back)."""
+    if isinstance(spec, str):
+        return spec
+    name = getattr(spec, "__qualname__", None) or type(spec).__name__
+    module = getattr(spec, "__module__", None)
+    return f"{module}:{name}" if module else name

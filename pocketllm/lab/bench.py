@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -32,9 +31,12 @@ from typing import Any
 
 import torch
 
+from ..bench.report import cpu_name
 from ..kernels._triton import HAS_TRITON, INTERPRETED, triton
-from ..kernels.registry import IMPLEMENTATIONS, ImplSpec, resolve
+from ..kernels.registry import IMPLEMENTATIONS, ImplSpec, describe, resolve
+from .cases import results
 from .launches import OPS, QUICK, REAL, Call, Cost, call_cost, model_steps, op_calls
+from .table import markdown_table
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,7 @@ def _device(device: str) -> tuple[str, Peaks | None]:
     if _on_cuda(device):
         name = torch.cuda.get_device_name(device)
         return name, device_peaks(name)
-    return f"{device} ({platform.machine()}, {platform.processor() or 'unknown processor'})", None
+    return f"{device} ({cpu_name()})", None
 
 
 def _uses_triton(op: str, fn: Callable[..., Any]) -> bool:
@@ -142,7 +144,7 @@ def _implementations(op: str, impl: ImplSpec, vs: Sequence[ImplSpec] | None) -> 
         fn = resolve(op, spec)
         if all(fn is not seen for _, seen in chosen):
             chosen.append((spec, fn))
-    return [(spec if isinstance(spec, str) else getattr(fn, "__name__", repr(fn)), fn) for spec, fn in chosen]
+    return [(describe(spec), fn) for spec, fn in chosen]
 
 
 def _key(args: Sequence[Any]) -> tuple[Any, ...]:
@@ -183,8 +185,7 @@ def _plan(op: str, quick: bool, device: str) -> list[_Planned]:
 
 
 def _first_float(out: Any) -> torch.Tensor | None:
-    outputs = out if isinstance(out, tuple) else (out,)
-    return next((o for o in outputs if isinstance(o, torch.Tensor) and o.is_floating_point()), None)
+    return next((o for o in results(out) if isinstance(o, torch.Tensor) and o.is_floating_point()), None)
 
 
 def _run(fn: Callable[[], object], device: str, restore: Callable[[], None]) -> tuple[object, float]:
@@ -273,7 +274,7 @@ def bench_op(op: str, impl: ImplSpec = "triton", vs: Sequence[ImplSpec] | None =
 
 
 def check(ops: Sequence[str], impl: ImplSpec, vs: Sequence[ImplSpec] | None, device: str | None = None) -> None:
-    """ValueError (or the ImportError, AttributeError or TypeError of `registry.resolve`) unless every
+    """ValueError (or the ImportError or TypeError of `registry.resolve`) unless every
     op and implementation is known and the device is there: before anything runs."""
     for op in ops:
         _implementations(op, impl, vs)
@@ -337,13 +338,7 @@ def format_table(rows: Sequence[BenchRow]) -> str:
     faster the variant (the first row of each call) runs than that row's implementation."""
     columns = [(name, [_cell(get(row)) for row in rows]) for name, get in _COLUMNS]
     columns = [(name, cells) for name, cells in columns if any(cell != "-" for cell in cells)]
-    widths = [max([len(name)] + [len(cell) for cell in cells]) for name, cells in columns]
-
-    def line(cells: Sequence[str]) -> str:
-        return "| " + " | ".join(cell.ljust(width) for cell, width in zip(cells, widths)) + " |"
-
-    body = [line([cells[i] for _, cells in columns]) for i in range(len(rows))]
-    return "\n".join([line([name for name, _ in columns]), line(["-" * width for width in widths])] + body)
+    return markdown_table([name for name, _ in columns], [[cells[i] for _, cells in columns] for i in range(len(rows))])
 
 
 DESCRIPTION = ("Time an op's implementation against the others at the op's real-shape calls (those `lab compile` "
@@ -377,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
     implementation, naming the allowed ones."""
     try:
         check(args.ops, args.impl, args.vs, args.device)
-    except (ValueError, ImportError, AttributeError, TypeError) as exc:
+    except (ValueError, ImportError, TypeError) as exc:
         print(f"pocketllm lab bench: error: {exc}", file=sys.stderr)
         return 2
     report = bench(args.ops, args.impl, args.vs, args.device, args.quick)

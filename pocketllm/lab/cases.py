@@ -13,14 +13,13 @@ piece against two pieces cut at an aligned position.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..kernels.registry import SIGNATURES
+from ..kernels.registry import parameters
 from ..kernels.rope import rope_table
 
 ALIGN = 64  # prefill pieces are cut at multiples of this absolute position (GDN chunk, attention block)
@@ -244,13 +243,17 @@ def pack(case: Case, members: list[Member], slot_order: list[int], device: torch
 
 def call(op: str, impl: Callable[..., Any], packed: Packed) -> Any:
     """impl(...) with the arguments in the op's signature order, as the model passes them."""
-    names = list(inspect.signature(SIGNATURES[op].__call__).parameters)[1:]
-    return impl(*(packed.args[name] for name in names if name in packed.args))
+    return impl(*(packed.args[p.name] for p in parameters(op) if p.name in packed.args))
+
+
+def results(result: Any) -> list[Any]:
+    """What an op returned, as a list: ops return one tensor, or a tuple (the sampler)."""
+    return list(result) if isinstance(result, tuple) else [result]
 
 
 def unpack(result: Any, packed: Packed) -> list[dict[str, torch.Tensor]]:
     """Each member's outputs: its rows of every returned tensor, and its slots after the call."""
-    returned = list(result) if isinstance(result, tuple) else [result]
+    returned = results(result)
     outputs = []
     for (lo, hi), slot in zip(packed.token_ranges, packed.member_slots):
         out = {f"out{i}" if len(returned) > 1 else "out": r[lo:hi] for i, r in enumerate(returned)}
@@ -259,14 +262,20 @@ def unpack(result: Any, packed: Packed) -> list[dict[str, torch.Tensor]]:
     return outputs
 
 
+def run_members(case: Case, impl: Callable[..., Any], members: list[Member], slot_order: list[int],
+                device: torch.device | str) -> list[dict[str, torch.Tensor]]:
+    """Call `impl` on `members` (member i in slot slot_order[i]); each member's outputs."""
+    packed = pack(case, members, slot_order, device)
+    return unpack(call(case.op, impl, packed), packed)
+
+
 def run(case: Case, impl: Callable[..., Any], order: list[int] | None = None, slot_order: list[int] | None = None,
         device: torch.device | str = "cpu") -> list[dict[str, torch.Tensor]]:
     """Call `impl` on the case's members (all, or those in `order`, in that order), each in the
     slot slot_order gives it (default: reversed, so slot 0 is never the first member's)."""
     order = list(range(len(case.members))) if order is None else order
     slot_order = list(range(len(order)))[::-1] if slot_order is None else slot_order
-    packed = pack(case, [case.members[i] for i in order], slot_order, device)
-    return unpack(call(case.op, impl, packed), packed)
+    return run_members(case, impl, [case.members[i] for i in order], slot_order, device)
 
 
 def split_member(member: Member) -> tuple[Member, Member] | None:

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ..kernels.registry import IMPLEMENTATIONS, ImplSpec, check_op_name, resolve
-from .cases import Case, Member, call, op_cases, pack, run, split_member, unpack
+from ..kernels.registry import IMPLEMENTATIONS, ImplSpec, check_op_name, describe, resolve
+from .cases import Case, Member, call, op_cases, pack, results, run, run_members, split_member
 from .compare import bits_error, close_error
 
 
@@ -97,10 +97,8 @@ def empty_findings(case: Case, impl: Callable[..., Any], ref: Callable[..., Any]
     """An empty batch (no rows, no sequences) returns what the reference returns: empty results
     of the same shapes and dtypes, and no error."""
     def body() -> str | None:
-        got, want = (call(case.op, fn, pack(case, [], [], device)) for fn in (impl, ref))
-        got_list = list(got) if isinstance(got, tuple) else [got]
-        want_list = list(want) if isinstance(want, tuple) else [want]
-        for i, (g, w) in enumerate(zip(got_list, want_list)):
+        got, want = (results(call(case.op, fn, pack(case, [], [], device))) for fn in (impl, ref))
+        for i, (g, w) in enumerate(zip(got, want)):
             if g.shape != w.shape or g.dtype != w.dtype:
                 return f"result {i}: {g.dtype}{list(g.shape)}, the reference gives {w.dtype}{list(w.shape)}"
         return None
@@ -112,18 +110,15 @@ def batch_findings(case: Case, impl: Callable[..., Any], device: torch.device | 
     def body() -> str | None:
         count = len(case.members)
         full = run(case, impl, device=device)
-        reverse_order = list(range(count))[::-1]
-        reversed_run = run(case, impl, order=reverse_order, slot_order=list(range(count)), device=device)[::-1]
-        for name, outputs in (("batch reversed", reversed_run),
-                              *((f"member {i} alone", None) for i in range(count))):
-            if outputs is None:
-                i = int(name.split()[1])
-                alone = run(case, impl, order=[i], slot_order=[0], device=device)
-                error = _members_error(alone, [full[i]], bits_error)
-            else:
-                error = _members_error(outputs, full, bits_error)
+        # Reversed order, same slots: each member at another position of the batch.
+        reversed_run = run(case, impl, order=list(range(count))[::-1], slot_order=list(range(count)), device=device)
+        error = _members_error(reversed_run[::-1], full, bits_error)
+        if error:
+            return f"batch reversed vs the batch: {error}"
+        for i in range(count):
+            error = _members_error(run(case, impl, order=[i], slot_order=[0], device=device), [full[i]], bits_error)
             if error:
-                return f"{name} vs the batch: {error}"
+                return f"member {i} alone vs the batch: {error}"
         return None
     return _guarded("batch invariance", case, body)
 
@@ -137,12 +132,11 @@ def split_findings(case: Case, impl: Callable[..., Any], device: torch.device | 
             continue
 
         def body(member: Member = member, pieces: tuple[Member, Member] = pieces) -> str | None:
-            whole = run_members(case, impl, [member], device)[0]
-            first_packed = pack(case, [pieces[0]], [0], device)
-            first = unpack(call(case.op, impl, first_packed), first_packed)[0]
+            whole = run_members(case, impl, [member], [0], device)[0]
+            first = run_members(case, impl, [pieces[0]], [0], device)[0]
             second_member = Member(pieces[1].start, pieces[1].tokens,
                                    {name: first[name].cpu() for name in member.slots})
-            second = run_members(case, impl, [second_member], device)[0]
+            second = run_members(case, impl, [second_member], [0], device)[0]
             joined = {name: torch.cat([first[name], second[name]]) for name in whole if name not in member.slots}
             joined.update({name: second[name] for name in member.slots})
             error = _members_error([joined], [whole], bits_error)
@@ -151,18 +145,6 @@ def split_findings(case: Case, impl: Callable[..., Any], device: torch.device | 
         findings.append(_guarded("split invariance", Case(case.op, f"{case.label} member {index}", case.dtype,
                                                           case.shared, case.members), body))
     return findings
-
-
-def run_members(case: Case, impl: Callable[..., Any], members: list[Member],
-                device: torch.device | str) -> list[dict[str, torch.Tensor]]:
-    packed = pack(case, members, list(range(len(members))), device)
-    return unpack(call(case.op, impl, packed), packed)
-
-
-def describe(spec: ImplSpec) -> str:
-    if isinstance(spec, str):
-        return spec
-    return f"{getattr(spec, '__module__', '?')}:{getattr(spec, '__qualname__', type(spec).__name__)}"
 
 
 def check_kernel(op: str, impl: ImplSpec, vs: Iterable[ImplSpec] = (), device: torch.device | str = "cpu",

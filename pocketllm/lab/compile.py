@@ -41,6 +41,7 @@ from unittest import mock
 from ..kernels import get_ops
 from ..kernels._triton import HAS_TRITON, INTERPRETED, recording_launches
 from .launches import ATTENTION_OPS, OPS, model_steps, op_calls, sweep_steps
+from .table import markdown_table
 
 # -- targets and their limits ----------------------------------------------------------------
 
@@ -330,13 +331,7 @@ def _cells(report: KernelReport) -> tuple[str, ...]:
 
 def format_table(reports: Sequence[KernelReport]) -> str:
     """A Markdown table, one row per kernel specialisation and target, columns padded to line up."""
-    rows = [_COLUMNS] + [_cells(report) for report in reports]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
-
-    def line(cells: Sequence[str]) -> str:
-        return "| " + " | ".join(cell.ljust(width) for cell, width in zip(cells, widths)) + " |"
-
-    return "\n".join([line(rows[0]), line(["-" * width for width in widths])] + [line(row) for row in rows[1:]])
+    return markdown_table(_COLUMNS, [_cells(report) for report in reports])
 
 
 def _progress_line(report: KernelReport) -> str:

@@ -118,7 +118,7 @@ def mismatches(engines: Engines, workload: list[Job], max_batch_size: int) -> li
     found = []
     for index, result in run_batched(engines, workload, max_batch_size).items():
         tokens, logprobs = engines.serial_output(workload[index])
-        n = len(result.token_ids) if result.finish_reason == "cancelled" else len(tokens) + 1
+        n = len(result.token_ids) if result.finish_reason == "cancelled" else len(tokens)  # a prefix if cancelled
         if result.token_ids != tokens[:n] or result.logprobs != logprobs[:n]:
             found.append(f"job {index}: batched {result.token_ids} {result.logprobs} != serial {tokens} {logprobs}")
     return found
