@@ -8,7 +8,11 @@ admission to completion and kernels need no per-token index loads.
   causal conv) and an fp32 recurrent state [num_slots, heads, key_dim, value_dim]. Both are zeroed
   when a request takes the slot, so a slot's previous tenant never leaks into the next.
 A freed slot remembers the token ids whose K/V it still holds, so a later request with a shared
-prefix can find them.
+prefix can find them, and free slots are handed out least recently used first, so those contents
+last. Prefix reuse (see `scheduler/prefix_index.py`) takes a slot keeping its first `keep`
+positions, or copies a prefix from another slot. K/V of a prefix are complete as they stand; a
+Gated DeltaNet layer also needs its states as they were after the prefix, so the scheduler keeps
+`prefix_states`: copies of a slot's conv and recurrent state at chunk boundaries of its prefill.
 
 The size is computed before anything is allocated: a cache larger than the memory the device
 has free is refused at once with a ValueError, instead of failing deep inside the allocator.
@@ -144,24 +148,44 @@ class SlotCache:
                 self.recurrent.append(torch.zeros(
                     num_slots, spec.num_heads, spec.key_dim, spec.value_dim, dtype=torch.float32, device=device))
         self.slot_tokens: list[list[int]] = [[] for _ in range(num_slots)]
-        self._free = list(range(num_slots))
+        # Per slot: position -> copies of its states (one per layer with states) after that many tokens.
+        self.prefix_states: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(num_slots)]
+        self.prefix_state_bytes = sum(s[0].numel() * s.element_size() for s in self._states())  # one copy
+        self._free = list(range(num_slots))  # least recently used first
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def free_slots(self) -> list[int]:
+        """Free slots, least recently used first."""
+        return list(self._free)
+
+    @property
+    def has_states(self) -> bool:
+        """Whether some layer keeps recurrent state (a hybrid model)."""
+        return bool(self._states())
+
     def _states(self) -> list[torch.Tensor]:
         return [s for s in self.conv + self.recurrent if s is not None]
 
-    def allocate(self) -> int:
-        """Take the lowest free slot, its recurrent state zeroed; SlotCacheError when all are in use."""
+    def allocate(self, slot: int | None = None, keep: int = 0) -> int:
+        """Take a free slot: `slot`, or the least recently used one. Its first `keep` positions stay
+        as they are (a reused prefix: the recurrent states are set to their copy at `keep`, which
+        must exist); with keep=0 its states are zeroed. SlotCacheError when no slot is free or
+        `slot` is not free."""
         if not self._free:
             raise SlotCacheError(f"all {self.num_slots} cache slots are in use")
-        self._free.sort()
-        slot = self._free.pop(0)
+        if slot is None:
+            slot = self._free[0]
+        elif slot not in self._free:
+            raise SlotCacheError(f"slot {slot} is not free (free: {sorted(self._free)})")
+        if keep and self.has_states and keep not in self.prefix_states[slot]:
+            raise SlotCacheError(f"slot {slot} has no state copy at position {keep} to resume from")
+        self._free.remove(slot)
         self.slot_tokens[slot] = []
-        for state in self._states():
-            state[slot].zero_()
+        self._set_states(slot, slot, keep)
         return slot
 
     def free(self, slot: int, tokens: list[int]) -> None:
@@ -170,6 +194,42 @@ class SlotCache:
             raise SlotCacheError(f"slot {slot} is not allocated (slots 0..{self.num_slots - 1})")
         self.slot_tokens[slot] = list(tokens)
         self._free.append(slot)
+
+    def forget(self, slot: int) -> None:
+        """Drop a slot's state copies: its contents are no longer trusted (a failed forward)."""
+        self.prefix_states[slot] = {}
+
+    def save_prefix_state(self, slot: int, position: int) -> None:
+        """Keep a copy of the slot's states as they are with `position` tokens prefilled."""
+        if self.has_states:
+            self.prefix_states[slot][position] = [s[slot].clone() for s in self._states()]
+
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        """Give slot `target` the first `length` positions of slot `source`: K/V rows copied bit for
+        bit, and the states (and state copies up to `length`) of `source` at `length`."""
+        if self.has_states and length not in self.prefix_states[source]:
+            raise SlotCacheError(f"slot {source} has no state copy at position {length} to copy")
+        for cache in self.k + self.v:
+            if cache is not None:
+                cache[target, :length] = cache[source, :length]
+        self._set_states(source, target, length)
+
+    def _set_states(self, source: int, target: int, length: int) -> None:
+        """Slot `target`'s states := `source`'s copy at `length` (zero for 0); its copies beyond
+        `length` are dropped and `source`'s copies up to `length` shared (they are never written)."""
+        kept = {p: c for p, c in self.prefix_states[source].items() if p <= length} if length else {}
+        self.prefix_states[target] = kept
+        for i, state in enumerate(self._states()):
+            if length:
+                state[target].copy_(kept[length][i])
+            else:
+                state[target].zero_()
+
+    @property
+    def prefix_state_nbytes(self) -> int:
+        """Bytes held by state copies now (copies shared between slots counted once)."""
+        unique = {id(c[0]) for states in self.prefix_states for c in states.values()}
+        return len(unique) * self.prefix_state_bytes
 
     def snapshot_states(self, slots: list[int], starts: list[int]) -> StateSnapshot | None:
         """What `restore_states` needs to undo a forward over `slots` (with `starts` tokens cached):

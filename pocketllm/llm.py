@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 import torch
 
-from .cache import SlotCache, cache_bytes, layer_specs, require_memory
+from .cache import RecurrentCacheSpec, SlotCache, cache_bytes, layer_specs, require_memory
 from .config import EngineArgs, ModelConfig
 from .kernels import get_ops
 from .kernels.probe import ProbeReport, probe_row_invariance
@@ -20,7 +20,8 @@ from .models import build_model
 from .outputs import GenerationResult
 from .runner import ModelRunner
 from .sampling import SamplingParams
-from .scheduler import BatchScheduler, Request, is_array, validate_prompt
+from .scheduler import BatchScheduler, PrefillPolicy, Request, is_array, validate_prompt
+from .scheduler.policy import check_budget
 from .tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ class Capabilities:
     max_seq_len: int
     batch_invariant: bool
     cache_bytes: int  # size of the slot cache
+    state_snapshot_bytes_per_slot: int  # most a slot's Gated DeltaNet state copies take (0: none kept)
 
 
 class LLM:
@@ -60,6 +62,8 @@ class LLM:
         self.device = torch.device(args.device)
         self.model_config = ModelConfig.from_dir(args.model)
         engine = args.options.engine
+        self.policy = self._prefill_policy()
+        check_budget(self.policy, args.max_batch_size, args.max_seq_len)
         self._check_memory()
         backend = args.options.backend
         ops = get_ops(args.backend, backend.batch_invariant, backend.decode_per_row, args.op_overrides)
@@ -77,10 +81,30 @@ class LLM:
             cfg = self.model_config
             self.scheduler = BatchScheduler(self.runner, self.cache, cfg.vocab_size, args.max_seq_len,
                                             cfg.eos_token_ids, engine.background_thread, engine.record_timeline,
-                                            request_ids=self._ids)
+                                            request_ids=self._ids, policy=self.policy)
             weakref.finalize(self, self.scheduler.stop)
         self.capabilities = Capabilities(self.scheduler is not None, args.backend, args.max_batch_size,
-                                         args.max_seq_len, batch_invariant, self.cache.nbytes)
+                                         args.max_seq_len, batch_invariant, self.cache.nbytes,
+                                         self._snapshot_bytes_per_slot())
+
+    def _state_bytes(self) -> int:
+        """Bytes of one slot's Gated DeltaNet states (0 for a model without them)."""
+        states = [s for s in layer_specs(self.model_config) if isinstance(s, RecurrentCacheSpec)]
+        return cache_bytes(1, 0, list(states), self.args.torch_dtype)
+
+    def _prefill_policy(self) -> PrefillPolicy:
+        """Cuts, budget and reuse from the options; no prefix reuse for a hybrid model that keeps
+        no state snapshots."""
+        engine = self.args.options.engine
+        interval = engine.state_snapshot_interval
+        reuse = engine.enable_prefix_reuse and (interval > 0 or not self._state_bytes())
+        return PrefillPolicy(engine.max_num_batched_tokens, engine.prefill_chunk_size, interval, reuse)
+
+    def _snapshot_bytes_per_slot(self) -> int:
+        """The most one slot's state copies can take: one per snapshot position below max_seq_len."""
+        batched = self.args.options.engine.enable_batching  # the serial path reuses nothing
+        interval = self.policy.snapshot_interval if self.policy.prefix_reuse and batched else 0
+        return (self.args.max_seq_len - 1) // interval * self._state_bytes() if interval else 0
 
     def _check_invariance(self) -> bool:
         """Whether this engine keeps the invariance contract here. The triton kernels are invariant
@@ -111,9 +135,11 @@ class LLM:
         cfg, args = self.model_config, self.args
         slots = cache_bytes(args.max_batch_size, args.max_seq_len, layer_specs(cfg), args.torch_dtype)
         rope = 2 * args.max_seq_len * cfg.rotary_dim * 4
-        require_memory(slots + rope, self.device, f"a slot cache of max_batch_size={args.max_batch_size} slots x "
-                                                  f"max_seq_len={args.max_seq_len} positions ({slots} bytes) "
-                                                  f"with its rope tables ({rope} bytes)")
+        snapshots = args.max_batch_size * self._snapshot_bytes_per_slot()
+        require_memory(slots + rope + snapshots, self.device,
+                       f"a slot cache of max_batch_size={args.max_batch_size} slots x max_seq_len={args.max_seq_len} "
+                       f"positions ({slots} bytes) with its rope tables ({rope} bytes) and state snapshots "
+                       f"({snapshots} bytes, state_snapshot_interval={self.policy.snapshot_interval})")
 
     def close(self) -> None:
         """Stop the scheduler thread (if any); unfinished requests end as "cancelled"."""
@@ -203,14 +229,13 @@ class LLM:
                 for p, sp in zip(prompts, params_list)]
 
     def _run_serial(self, request: Request) -> GenerationResult:
-        """Prefill, then decode one token at a time, in a slot of the shared cache."""
+        """Prefill piece by piece (the cuts of the batched path), then decode one token at a time,
+        in a slot of the shared cache, cold: nothing is reused."""
         request.slot = self.cache.allocate()
         try:
-            (token, logprob), = self.runner.run([request.prefill_input()], is_decode=False)
-            request.append(token, logprob)
             while not request.finished:
-                (token, logprob), = self.runner.run([request.decode_input()], is_decode=True)
-                request.append(token, logprob)
+                seq = request.prefill_input(self.policy) if request.prefilling else request.decode_input()
+                request.advance(seq, self.runner.run([seq])[0])
         except Exception as exc:  # the engine keeps serving; the request records why it ended
             request.finish("error", f"{type(exc).__name__}: {exc}")
         finally:  # a failed forward may have written the slot: then it claims no contents

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 
-def _option(default: Any, doc: str, low: int | None = None, high: int | None = None) -> Any:
-    """A dataclass field carrying its meaning and, for ints, its allowed range."""
-    return field(default=default, metadata={"doc": doc, "range": None if low is None else (low, high)})
+def _option(default: Any, doc: str, low: int | None = None, high: int | None = None, multiple: int = 1) -> Any:
+    """A dataclass field carrying its meaning and, for ints, its allowed range (and step)."""
+    return field(default=default, metadata={"doc": doc, "range": None if low is None else (low, high),
+                                            "multiple": multiple})
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,17 @@ class EngineOptions:
     max_batch_size: int = _option(8, "number of cache slots: the most requests running at once", 1, 1024)
     background_thread: bool = _option(True, "batched mode: a thread drives the scheduler loop")
     record_timeline: bool = _option(False, "batched mode: record which slot ran which request at each step")
+    max_num_batched_tokens: int = _option(2048, "batched mode: tokens one step runs (a decode row for each running "
+                                                "request, then prefill pieces); at least the longest piece plus "
+                                                "max_batch_size - 1", 1, 1 << 24)
+    prefill_chunk_size: int = _option(512, "prompts are cut into pieces at multiples of this many tokens, "
+                                           "request-local (0: not cut)", 0, 1 << 20, 64)
+    enable_prefix_reuse: bool = _option(True, "batched mode: a prompt reuses the prefix a cache slot holds "
+                                              "(bitwise as a cold run)")
+    state_snapshot_interval: int = _option(512, "prompts are also cut at multiples of this, the positions a prefix "
+                                                "is reused from; hybrid models keep each slot's Gated DeltaNet "
+                                                "states there (memory per slot in capabilities). 0: reuse at "
+                                                "chunk boundaries, none on hybrid models", 0, 1 << 20, 64)
 
 
 @dataclass(frozen=True)
@@ -85,5 +97,7 @@ def _check(name: str, value: Any) -> None:
             raise TypeError(f"backend_options[{name!r}] must be a bool, got {value!r}")
         return
     low, high = spec.metadata["range"]
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"backend_options[{name!r}] must be an int in [{low}, {high}], got {value!r}")
+    multiple = spec.metadata["multiple"]
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high or value % multiple:
+        step = f" and a multiple of {multiple}" if multiple > 1 else ""
+        raise ValueError(f"backend_options[{name!r}] must be an int in [{low}, {high}]{step}, got {value!r}")

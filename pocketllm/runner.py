@@ -1,4 +1,5 @@
-"""ModelRunner: a list of sequences -> one ForwardBatch -> model forward -> one sampled token each.
+"""ModelRunner: a list of sequences -> one ForwardBatch -> model forward -> a sampled token for
+each sequence that samples (decode rows, and prefill pieces that end their prompt).
 
 The serial path and the batch scheduler both step requests through here, on the same slot cache.
 A forward either returns a finite (token, logprob) for every sequence, or raises with the
@@ -19,13 +20,17 @@ from .sampling import SamplingParams
 
 @dataclass(frozen=True)
 class SequenceInput:
-    """New tokens of one sequence: `start` tokens of it are already in slot `slot`."""
+    """New tokens of one sequence: `start` tokens of it are already in slot `slot`. `decode`: one
+    token through the decode ops; otherwise a prefill piece. `sample`: whether a token is sampled
+    after it (not for a prefill piece that ends inside the prompt)."""
 
     slot: int
     start: int
     token_ids: list[int]
     params: SamplingParams
     seed: int
+    decode: bool = False
+    sample: bool = True
 
 
 class NonFiniteOutputError(RuntimeError):
@@ -44,25 +49,39 @@ class ModelRunner:
         self.device = torch.device(device)
 
     @torch.inference_mode()
-    def run(self, seqs: list[SequenceInput], is_decode: bool) -> list[tuple[int, float]]:
-        """One forward over all `seqs`; returns (token, logprob) sampled for each, in order.
+    def run(self, seqs: list[SequenceInput]) -> list[tuple[int, float] | None]:
+        """One forward over all `seqs` (decode rows and prefill pieces mixed); returns, in order,
+        (token, logprob) for each sequence that samples and None for each that does not.
 
         Raises NonFiniteOutputError for a non-finite output; on any exception the slots' recurrent
         states are restored first (K/V need no restoring: a rerun rewrites the same positions)."""
         if not seqs:
             return []
-        slots, starts = [s.slot for s in seqs], [s.start for s in seqs]
+        # Decode sequences first: the batch layout the ops dispatch on (see ForwardBatch).
+        order = sorted(range(len(seqs)), key=lambda i: not seqs[i].decode)
+        ordered = [seqs[i] for i in order]
+        slots, starts = [s.slot for s in ordered], [s.start for s in ordered]
         saved = self.cache.snapshot_states(slots, starts)
         try:
-            return self._forward_and_sample(seqs, slots, starts, is_decode)
+            sampled = iter(self._forward_and_sample(ordered, slots, starts))
         except BaseException:
             self.cache.restore_states(saved)
             raise
+        outputs: list[tuple[int, float] | None] = [None] * len(seqs)
+        for i in order:
+            if seqs[i].sample:
+                outputs[i] = next(sampled)
+        return outputs
 
-    def _forward_and_sample(self, seqs: list[SequenceInput], slots: list[int], starts: list[int],
-                            is_decode: bool) -> list[tuple[int, float]]:
-        batch = ForwardBatch.build(slots, starts, [s.token_ids for s in seqs], is_decode, self.device)
+    def _forward_and_sample(self, seqs: list[SequenceInput], slots: list[int],
+                            starts: list[int]) -> list[tuple[int, float]]:
+        """(token, logprob) for each sequence of `seqs` that samples, in order."""
+        batch = ForwardBatch.build(slots, starts, [s.token_ids for s in seqs], [s.decode for s in seqs], self.device,
+                                   [s.sample for s in seqs])
         logits = self.model.forward(batch, self.cache)
+        seqs = [s for s in seqs if s.sample]
+        if not seqs:
+            return []
         finite = torch.isfinite(logits).all(dim=-1)
         if not bool(finite.all()):
             raise NonFiniteOutputError(f"the model produced non-finite logits (NaN or inf) for sequence(s) "

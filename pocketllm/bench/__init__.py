@@ -4,7 +4,8 @@ It lives under `pocketllm` so that an installed `pocketllm bench` finds it, but 
 engine imports it: `import pocketllm` never loads it. Modules by job: `workloads` (what is run
 and what a run yields), `runners` (pocketllm runs and the run plan), `baseline` (transformers
 runs), `report` (goals, JSON, Markdown), `plots` (PNG files), `command` (arguments, the whole run), and
-`real_shapes` (`--real-shapes`: the published checkpoints' shapes against transformers).
+`real_shapes` (`--real-shapes`: the published checkpoints' shapes against transformers) and
+`scheduling` (`--scheduling`: prefix reuse and chunked prefill, on and off).
 """
 
 from .command import main

@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--real-shapes", action="store_true",
                         help="the real-shape benchmark instead: Qwen3-0.6B and Qwen3.5-0.8B shapes against "
                              "transformers (see pocketllm.bench.real_shapes; tiny presets with --quick)")
+    parser.add_argument("--scheduling", action="store_true",
+                        help="the scheduling benchmark instead: prefix reuse and chunked prefill, each on and off, "
+                             "at Qwen3-0.6B and Qwen3.5-0.8B shapes (see pocketllm.bench.scheduling; tiny presets "
+                             "with --quick)")
+    parser.add_argument("--device", default="cpu", help="device of the --scheduling runs")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
     return parser
 
@@ -73,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     skipped = missing_extras(args.no_transformers)
     for part, why in skipped.items():
         print(f"pocketllm bench: skipping {part.replace('_', ' ')}: {why}", file=sys.stderr)
+    if args.scheduling:
+        from .scheduling import run as run_scheduling
+
+        print(run_scheduling(args.out, args.quick, args.seed, args.device, "plots" not in skipped))
+        return 0
     if args.real_shapes:
         from .real_shapes import run
 

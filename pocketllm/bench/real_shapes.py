@@ -20,7 +20,6 @@ the full run.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ from ..llm import LLM
 from ..models import cached_checkpoint
 from ..sampling import SamplingParams
 from .baseline import load_transformers, run_transformers, timed_generate
-from .report import load_average, machine_info
+from .report import load_average, machine_info, save_report
 from .runners import run_batched
 from .workloads import make_workloads
 
@@ -200,10 +199,8 @@ def run(out: Path, quick: bool, seed: int, with_transformers: bool, plots: bool)
     machine["load_average_1min_at_end"] = load_average()
     report = {"machine": machine, "read_bandwidth_gb_s": bandwidth / 1e9, "size": asdict(size), "seed": seed,
               "models": models}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "real_shapes.json").write_text(json.dumps(report, indent=2) + "\n")
     text = markdown(report)
-    (out / "real_shapes.md").write_text(text)
+    save_report(out, "real_shapes", report, text)
     if plots:
         from .plots import plot_real_shapes
 

@@ -71,6 +71,13 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def save_report(out: Path, stem: str, report: dict[str, Any], text: str) -> None:
+    """`stem`.json (the whole report) and `stem`.md (its table) in `out`, created if need be."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(text)
+
+
 def load_average() -> float | None:
     """The 1-minute load average: other work on the machine slows a run down."""
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None

@@ -1,9 +1,11 @@
 """Engine-level checks: the invariance property, and greedy parity against `transformers`.
 
 The property is the contract itself: random workloads (arrival steps, batch sizes, sampling
-parameters, cancellations) through the batch scheduler, every request's tokens and logprobs `==`
-its serial run. The engine tests and `pocketllm lab check` run this same code, the lab with a
-variant installed through `op_overrides`. Needs `hypothesis` (and `transformers` for parity):
+parameters, cancellations; with `prefix_workloads` also shared system prompts and random token
+budgets, chunk sizes, snapshot intervals and prefix reuse) through the batch scheduler, every
+request's tokens and logprobs `==` its cold serial run (its prompt cut at the same request-local
+positions). The engine tests and `pocketllm lab check` run this same code, the lab with a variant
+installed through `op_overrides`. Needs `hypothesis` (and `transformers` for parity):
 the `dev` extra.
 """
 
@@ -24,6 +26,7 @@ from ..llm import LLM
 from ..models import cached_checkpoint
 from ..outputs import GenerationResult
 from ..sampling import SamplingParams
+from ..scheduler import PrefillPolicy
 
 MAX_SEQ_LEN = 96
 
@@ -52,9 +55,48 @@ def workloads(vocab: int, max_prompt: int = 64, max_jobs: int = 12, max_tokens: 
     return st.tuples(st.lists(jobs, min_size=1, max_size=max_jobs), st.integers(1, 8))
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """A scheduler policy drawn for one example; the token budget is the least the configuration
+    allows plus `budget_slack`."""
+
+    chunk_size: int
+    snapshot_interval: int
+    budget_slack: int
+    prefix_reuse: bool
+
+    def policy(self, max_batch_size: int, max_seq_len: int) -> PrefillPolicy:
+        piece = PrefillPolicy(1, self.chunk_size, self.snapshot_interval).max_piece(max_seq_len)
+        return PrefillPolicy(piece + max_batch_size - 1 + self.budget_slack, self.chunk_size, self.snapshot_interval,
+                             self.prefix_reuse)
+
+
+def schedules() -> st.SearchStrategy:
+    """Chunk sizes (0: uncut), snapshot intervals, budgets from the tightest allowed up, reuse on or off."""
+    return st.builds(Schedule, chunk_size=st.sampled_from([0, 64, 128]), snapshot_interval=st.sampled_from([64, 128]),
+                     budget_slack=st.sampled_from([0, 1, 7, 300]), prefix_reuse=st.sampled_from([True, True, False]))
+
+
+def prefix_workloads(vocab: int, max_prompt: int = 200, max_jobs: int = 8, max_tokens: int = 12) -> st.SearchStrategy:
+    """(jobs, max_batch_size, schedule): prompts that start with one of a few "system prompts" (40 to
+    160 tokens) or with nothing, then 1..40 tokens of their own; arrivals at steps 0..12, cancellations."""
+    token = st.integers(0, vocab - 1)
+
+    def jobs_on(systems: list[list[int]]) -> st.SearchStrategy:
+        prompt = st.tuples(st.sampled_from(systems + [[]]), st.lists(token, min_size=1, max_size=40)).map(
+            lambda parts: tuple((parts[0] + parts[1])[-max_prompt:]))
+        job = st.builds(Job, prompt=prompt, params=sampling_params(max_tokens), arrival_step=st.integers(0, 12),
+                        cancel_step=st.none() | st.integers(0, 10))
+        return st.lists(job, min_size=1, max_size=max_jobs)
+
+    systems = st.lists(st.lists(token, min_size=40, max_size=160), min_size=1, max_size=3)
+    return st.tuples(systems.flatmap(jobs_on), st.integers(1, 6), schedules())
+
+
 class Engines:
     """One serial engine and one batched engine per max_batch_size, on the same checkpoint and
-    options (`options`: backend options; `engine_args`: backend, op_overrides, ...)."""
+    options (`options`: backend options; `engine_args`: backend, op_overrides, ...); one more serial
+    engine per other way of cutting prompts (chunk size, snapshot interval) a workload runs on."""
 
     def __init__(self, path: str | Path, max_seq_len: int = MAX_SEQ_LEN, engine_args: Mapping[str, Any] | None = None,
                  **options: Any) -> None:
@@ -64,6 +106,7 @@ class Engines:
         self.max_seq_len = max_seq_len
         self.serial = self._engine(self.options)
         self.batched: dict[int, LLM] = {}
+        self._cut_serial: dict[tuple[int, int], LLM] = {}
         self.serial_cache: dict[tuple, tuple[list[int], list[float]]] = {}
 
     def _engine(self, options: dict[str, Any]) -> LLM:
@@ -77,23 +120,45 @@ class Engines:
                                                          "background_thread": False})
         return self.batched[max_batch_size].scheduler
 
-    def serial_output(self, job: Job) -> tuple[list[int], list[float]]:
-        key = (job.prompt, job.params)
+    def _serial_for(self, policy: PrefillPolicy | None) -> LLM:
+        """The serial engine that cuts prompts as `policy` does (the engine's own cuts for None)."""
+        if policy is None:
+            return self.serial
+        cuts = (policy.chunk_size, policy.snapshot_interval)
+        if cuts not in self._cut_serial:
+            self._cut_serial[cuts] = self._engine({**self.options, "prefill_chunk_size": cuts[0],
+                                                   "state_snapshot_interval": cuts[1],
+                                                   "max_num_batched_tokens": 2 * self.max_seq_len + 1024})
+        return self._cut_serial[cuts]
+
+    def serial_output(self, job: Job, policy: PrefillPolicy | None = None) -> tuple[list[int], list[float]]:
+        """The job run alone, cold, in serial mode, its prompt cut as `policy` cuts it."""
+        llm = self._serial_for(policy)
+        key = (job.prompt, job.params, llm.policy.chunk_size, llm.policy.snapshot_interval)
         if key not in self.serial_cache:
-            result = self.serial.generate(prompt_tokens=list(job.prompt), sampling_params=job.params)
+            result = llm.generate(prompt_tokens=list(job.prompt), sampling_params=job.params)
             if result.finish_reason not in ("stop", "length"):
                 raise AssertionError(f"serial run ended {result.finish_reason}: {result.error}")
             self.serial_cache[key] = (result.token_ids, result.logprobs)
         return self.serial_cache[key]
 
     def close(self) -> None:
-        for llm in self.batched.values():
+        for llm in [*self.batched.values(), *self._cut_serial.values()]:
             llm.close()
 
 
-def run_batched(engines: Engines, workload: list[Job], max_batch_size: int) -> dict[int, GenerationResult]:
-    """Drive the scheduler step by step: submit each job at its arrival step, cancel it when due."""
+def as_policy(schedule: Schedule | PrefillPolicy, max_batch_size: int, max_seq_len: int) -> PrefillPolicy:
+    return schedule.policy(max_batch_size, max_seq_len) if isinstance(schedule, Schedule) else schedule
+
+
+def run_batched(engines: Engines, workload: list[Job], max_batch_size: int,
+                schedule: Schedule | PrefillPolicy | None = None) -> dict[int, GenerationResult]:
+    """Drive the scheduler step by step: submit each job at its arrival step, cancel it when due.
+    `schedule`: the policy to run on (the engine's own when None). What slots hold from earlier
+    workloads stays reusable while the reuse grid is unchanged: retained donors too."""
     scheduler = engines.scheduler(max_batch_size)
+    if schedule is not None:
+        scheduler.configure(as_policy(schedule, max_batch_size, engines.max_seq_len))
     ids: dict[int, int] = {}
     step = 0
     while len(ids) < len(workload) or scheduler.has_work:
@@ -112,12 +177,14 @@ def run_batched(engines: Engines, workload: list[Job], max_batch_size: int) -> d
     return results
 
 
-def mismatches(engines: Engines, workload: list[Job], max_batch_size: int) -> list[str]:
+def mismatches(engines: Engines, workload: list[Job], max_batch_size: int,
+               schedule: Schedule | PrefillPolicy | None = None) -> list[str]:
     """Differences between batched and serial outputs; a cancelled request's partial output must
     be a prefix of its serial output."""
     found = []
-    for index, result in run_batched(engines, workload, max_batch_size).items():
-        tokens, logprobs = engines.serial_output(workload[index])
+    policy = None if schedule is None else as_policy(schedule, max_batch_size, engines.max_seq_len)
+    for index, result in run_batched(engines, workload, max_batch_size, policy).items():
+        tokens, logprobs = engines.serial_output(workload[index], policy)
         n = len(result.token_ids) if result.finish_reason == "cancelled" else len(tokens)  # a prefix if cancelled
         if result.token_ids != tokens[:n] or result.logprobs != logprobs[:n]:
             found.append(f"job {index}: batched {result.token_ids} {result.logprobs} != serial {tokens} {logprobs}")

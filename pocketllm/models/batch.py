@@ -1,4 +1,9 @@
-"""ForwardBatch: one model step's worth of sequences, flattened into tensors."""
+"""ForwardBatch: one model step's worth of sequences, flattened into tensors.
+
+A step may mix decode rows and prefill pieces (chunked prefill): decode sequences come first, so
+each kind owns one contiguous range of token rows, and the paired ops (attention, conv1d, the
+gated delta rule) and the linear layers run each kind's rows through that kind's op.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +12,30 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass(frozen=True)
+class DecodeRows:
+    """The leading decode sequences: one new token each, at row i for sequence i."""
+
+    slot_ids: torch.Tensor  # [D] int64
+    seq_lens: torch.Tensor  # [D] int64, tokens in the slot once the new one is written
+
+
+@dataclass(frozen=True)
+class PrefillRows:
+    """The prefill pieces after the decode rows; cu_seqlens counts from their first row."""
+
+    slot_ids: torch.Tensor  # [P] int64
+    start_positions: torch.Tensor  # [P] int64
+    cu_seqlens: torch.Tensor  # [P + 1] int64
+
+
 @dataclass
 class ForwardBatch:
-    """New tokens of B sequences, concatenated.
-
-    `is_decode`: every sequence has exactly one new token and runs the decode attention path;
-    otherwise the varlen prefill path. Sequence i owns tokens cu_seqlens[i]:cu_seqlens[i+1],
-    lives in cache slot slot_ids[i] and has start_positions[i] tokens cached before this step.
+    """New tokens of B sequences, concatenated: the first `num_decode` are decode sequences (one
+    token each), the rest prefill pieces (the varlen path). Sequence i owns tokens
+    cu_seqlens[i]:cu_seqlens[i+1], lives in cache slot slot_ids[i] and has start_positions[i]
+    tokens cached before this step. Logits are returned for the rows in `last_token_indices`: the
+    last token of each sequence that samples (a prefill piece that ends inside its prompt does not).
     """
 
     input_ids: torch.Tensor  # [T] int64
@@ -22,29 +44,52 @@ class ForwardBatch:
     slot_ids: torch.Tensor  # [B] int64
     start_positions: torch.Tensor  # [B] int64
     cu_seqlens: torch.Tensor  # [B + 1] int64
-    last_token_indices: torch.Tensor  # [B] int64, the token whose logits are returned
-    is_decode: bool
+    last_token_indices: torch.Tensor  # [S] int64, one row per sampled sequence, in sequence order
+    num_decode: int
+    decode: DecodeRows | None  # None when the batch has no decode sequence
+    prefill: PrefillRows | None  # None when the batch has no prefill piece
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence decodes (so every linear row is a decode row)."""
+        return self.prefill is None
 
     @classmethod
-    def build(cls, slots: list[int], starts: list[int], new_tokens: list[list[int]], is_decode: bool,
-              device: torch.device | str) -> ForwardBatch:
+    def build(cls, slots: list[int], starts: list[int], new_tokens: list[list[int]], is_decode: bool | list[bool],
+              device: torch.device | str, sampled: list[bool] | None = None) -> ForwardBatch:
+        """`is_decode`: one flag for the whole batch or one per sequence (decode sequences first,
+        one token each). `sampled`: which sequences need logits (default: all)."""
+        kinds = [is_decode] * len(slots) if isinstance(is_decode, bool) else list(is_decode)
+        num_decode = sum(kinds)
+        if kinds != [True] * num_decode + [False] * (len(kinds) - num_decode):
+            raise ValueError("decode sequences must come before prefill pieces in a ForwardBatch")
+        if any(len(new_tokens[i]) != 1 for i in range(num_decode)):
+            raise ValueError("a decode sequence feeds exactly one token")
+        sampled = [True] * len(slots) if sampled is None else sampled
         lengths = [len(t) for t in new_tokens]
         cu = [0]
         for n in lengths:
             cu.append(cu[-1] + n)
-        positions = [start + j for start, n in zip(starts, lengths) for j in range(n)]
-        token_slots = [slot for slot, n in zip(slots, lengths) for _ in range(n)]
 
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
+        slot_ids, start_positions, cu_seqlens = tensor(slots), tensor(starts), tensor(cu)
+        decode = prefill = None
+        if num_decode:
+            decode = DecodeRows(slot_ids[:num_decode], start_positions[:num_decode] + 1)
+        if num_decode < len(slots) or not slots and not is_decode:
+            prefill = PrefillRows(slot_ids[num_decode:], start_positions[num_decode:],
+                                  cu_seqlens[num_decode:] - num_decode if num_decode else cu_seqlens)
         return cls(
             input_ids=tensor([t for tokens in new_tokens for t in tokens]),
-            positions=tensor(positions),
-            token_slots=tensor(token_slots),
-            slot_ids=tensor(slots),
-            start_positions=tensor(starts),
-            cu_seqlens=tensor(cu),
-            last_token_indices=tensor([c - 1 for c in cu[1:]]),
-            is_decode=is_decode,
+            positions=tensor([start + j for start, n in zip(starts, lengths) for j in range(n)]),
+            token_slots=tensor([slot for slot, n in zip(slots, lengths) for _ in range(n)]),
+            slot_ids=slot_ids,
+            start_positions=start_positions,
+            cu_seqlens=cu_seqlens,
+            last_token_indices=tensor([c - 1 for c, s in zip(cu[1:], sampled) if s]),
+            num_decode=num_decode,
+            decode=decode,
+            prefill=prefill,
         )

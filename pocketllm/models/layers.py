@@ -6,7 +6,8 @@
 - `Attention`: GQA full attention over the slot cache (fused qkv, per-head q/k RMSNorm, RoPE and
   the K/V write in one op, prefill or decode attention, o_proj), with an optional output gate.
 - `SwiGLU`: the gated MLP, gate and up fused into one matrix.
-- `attention`, `conv1d`, `gated_delta`: the one place a paired op is picked by the batch's phase.
+- `attention`, `conv1d`, `gated_delta`, `body_ops`: the one place an op is picked by the kind of
+  row (decode or prefill); a mixed batch runs each kind's rows through its own op.
 
 Each block also lists the checkpoint tensors it reads (`weight_shapes`), beside the code that reads
 them. The ops run in a fixed order the invariance tests rely on; a refactor here must keep it.
@@ -26,7 +27,7 @@ from ..config import ModelConfig
 from ..kernels import Ops
 from ..kernels.pointwise import elementwise_invariant
 from ..kernels.rope import rope_table
-from .batch import ForwardBatch
+from .batch import DecodeRows, ForwardBatch, PrefillRows
 
 Weights = dict[str, torch.Tensor]
 Shapes = dict[str, tuple[int, ...]]
@@ -48,28 +49,61 @@ def layer_state(states: list[torch.Tensor | None], layer: int) -> torch.Tensor:
 
 
 # -- prefill/decode dispatch of paired ops -----------------------------------------------------
+# Decode rows come first in a batch (see ForwardBatch): each kind's rows go through its own op, and
+# a mixed batch concatenates the two results in row order.
+
+def _by_kind(batch: ForwardBatch, decode: Callable[[DecodeRows, slice], torch.Tensor],
+             prefill: Callable[[PrefillRows, slice], torch.Tensor]) -> torch.Tensor:
+    """Run `decode` on the decode rows and `prefill` on the prefill rows; one result in row order."""
+    rows = batch.num_decode
+    parts = []
+    if batch.decode is not None:
+        parts.append(decode(batch.decode, slice(0, rows)))
+    if batch.prefill is not None:
+        parts.append(prefill(batch.prefill, slice(rows, None)))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
 
 def attention(ops: Ops, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
               scale: float) -> torch.Tensor:
     """Attention of the batch's new tokens over their slots' K/V (already written)."""
-    if batch.is_decode:
-        return ops.decode_attention(q, k_cache, v_cache, batch.slot_ids, batch.start_positions + 1, scale)
-    return ops.prefill_attention(q, k_cache, v_cache, batch.slot_ids, batch.start_positions, batch.cu_seqlens, scale)
+    return _by_kind(
+        batch,
+        lambda d, rows: ops.decode_attention(q[rows], k_cache, v_cache, d.slot_ids, d.seq_lens, scale),
+        lambda p, rows: ops.prefill_attention(q[rows], k_cache, v_cache, p.slot_ids, p.start_positions,
+                                              p.cu_seqlens, scale))
 
 
 def conv1d(ops: Ops, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """Depthwise causal conv (with SiLU) continuing each slot's conv state."""
-    if batch.is_decode:
-        return ops.conv1d_decode(x, weight, state, batch.slot_ids)
-    return ops.conv1d_prefill(x, weight, state, batch.slot_ids, batch.cu_seqlens)
+    return _by_kind(batch, lambda d, rows: ops.conv1d_decode(x[rows], weight, state, d.slot_ids),
+                    lambda p, rows: ops.conv1d_prefill(x[rows], weight, state, p.slot_ids, p.cu_seqlens))
 
 
 def gated_delta(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """The gated delta rule over each slot's recurrent state."""
-    if batch.is_decode:
-        return ops.gated_delta_decode(q, k, v, g, beta, state, batch.slot_ids)
-    return ops.gated_delta_prefill(q, k, v, g, beta, state, batch.slot_ids, batch.start_positions, batch.cu_seqlens)
+    return _by_kind(
+        batch,
+        lambda d, rows: ops.gated_delta_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], state, d.slot_ids),
+        lambda p, rows: ops.gated_delta_prefill(q[rows], k[rows], v[rows], g[rows], beta[rows], state, p.slot_ids,
+                                                p.start_positions, p.cu_seqlens))
+
+
+def body_ops(ops: Ops, batch: ForwardBatch) -> Ops:
+    """The op table for the token rows of `batch`: decode rows multiply through `linear`, prefill
+    rows through `prefill_linear` (a backend may tile them differently); a mixed batch splits each
+    product at the first prefill row, unless both ops are the same function."""
+    if batch.prefill is None:
+        return ops
+    if batch.decode is None or ops.linear is ops.prefill_linear:
+        return dataclasses.replace(ops, linear=ops.prefill_linear)
+    rows, decode_linear, prefill_linear = batch.num_decode, ops.linear, ops.prefill_linear
+
+    def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.cat([decode_linear(x[:rows], weight, bias), prefill_linear(x[rows:], weight, bias)])
+
+    return dataclasses.replace(ops, linear=split_linear)
 
 
 # -- blocks ------------------------------------------------------------------------------------
@@ -261,12 +295,14 @@ class DecoderModel:
         return [block.mixer.cache_spec for block in self.blocks]
 
     def forward(self, batch: ForwardBatch, cache: SlotCache) -> torch.Tensor:
-        """-> fp32 logits [B, vocab]."""
+        """-> fp32 logits [S, vocab], one row per sampled sequence (`batch.last_token_indices`)."""
         ops, eps = self.ops, self.cfg.rms_norm_eps
-        # A prefill's token rows go through the prefill linear; the lm_head sees one row per sequence.
-        body_ops = ops if batch.is_decode else dataclasses.replace(ops, linear=ops.prefill_linear)
+        # Token rows go through their kind's linear (body_ops); the lm_head sees one row per sampled sequence.
+        rows_ops = body_ops(ops, batch)
         hidden = ops.embedding(batch.input_ids, self.embed)
         for index, block in enumerate(self.blocks):
-            hidden = block.forward(body_ops, hidden, batch, cache, index, eps)
+            hidden = block.forward(rows_ops, hidden, batch, cache, index, eps)
+        if batch.last_token_indices.numel() == 0:  # only prefill pieces that end inside their prompts
+            return hidden.new_empty(0, self.lm_head.shape[0], dtype=torch.float32)
         last = hidden.index_select(0, batch.last_token_indices)
         return ops.linear(ops.rms_norm(last, self.final_norm, eps), self.lm_head).float()

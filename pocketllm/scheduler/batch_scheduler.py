@@ -3,7 +3,7 @@
 The Python counterpart of a C++ `QwenBatchScheduler`: submit/cancel/poll/stats/stop from any
 thread, and one loop iteration, `step()`:
 
-    admit_requests -> run_prefill_batch -> run_decode_batch -> handle_completions
+    admit_requests -> schedule decode rows + prefill pieces -> one forward -> handle_completions
 
 A background thread calls `step()` while there is work and nobody else does, and sleeps on a
 condition variable otherwise: `generate()` and a poll that waits without a timeout step the loop on
@@ -11,9 +11,13 @@ their own thread, which is faster on the CPU (see `_drive`). Without the thread,
 `step()` (deterministic tests). The forward passes run outside the lock, so submit, cancel and a
 poll with a timeout never wait for the model.
 
-Prefill is batched: every request admitted in a step is prefilled in one varlen forward. Decode
-runs every running request in one forward. Every submitted request reaches exactly one terminal
-state ("stop", "length", "cancelled" or "error"), and its slot is freed when it does.
+A step runs one forward within a token budget (`PrefillPolicy.max_num_batched_tokens`): a decode
+row for every running request that has sampled, then prefill pieces, first come first served, of
+the requests still prefilling and of newly admitted ones while the budget lasts. A prompt is cut
+only where the policy's request-local grid says, never where the budget runs out, so a long
+prompt no longer stalls the running requests for its whole prefill and its bits do not move.
+Admission reuses prefixes held by slots (`PrefixCache`). Every submitted request reaches exactly
+one terminal state ("stop", "length", "cancelled" or "error"), and its slot is freed when it does.
 
 A failure is its own request's: when a batched forward raises (an op's exception, out of memory,
 non-finite output), each of its requests is rerun alone. Ops are batch invariant, so the requests
@@ -35,8 +39,10 @@ from typing import cast, overload
 
 from ..cache import SlotCache
 from ..outputs import GenerationResult
-from ..runner import ModelRunner
+from ..runner import ModelRunner, SequenceInput
 from ..sampling import SamplingParams
+from .policy import PrefillPolicy, check_budget
+from .prefix_cache import Placement, PrefixCache
 from .request import Request, RequestStatus, validate_prompt
 from .stats import SchedulerStats
 from .timeline import SlotEvent
@@ -45,18 +51,22 @@ logger = logging.getLogger(__name__)
 
 Callback = Callable[[GenerationResult], None]
 LATENCY_WINDOW = 100_000  # requests whose TTFT and total time the latency statistics cover
-# (token, logprob) for a request whose forward succeeded, else the exception that ended it.
-Outcome = tuple[int, float] | BaseException
-# (request, tokens it fed, start, end) of each forward a request took part in, for the timeline.
-Span = tuple[Request, int, float, float]
+# (token, logprob) sampled for a request whose forward succeeded (None: a piece inside its prompt),
+# else the exception that ended it.
+Outcome = tuple[int, float] | None | BaseException
+# (request, what it fed, start, end) of each forward a request took part in, for the timeline.
+Span = tuple[Request, SequenceInput, float, float]
 
 
 class BatchScheduler:
     def __init__(self, runner: ModelRunner, cache: SlotCache, vocab_size: int, max_seq_len: int,
                  eos_token_ids: tuple[int, ...] = (), background_thread: bool = True, record_timeline: bool = False,
-                 request_ids: Iterator[int] | None = None) -> None:
+                 request_ids: Iterator[int] | None = None, policy: PrefillPolicy | None = None) -> None:
         self.runner = runner
         self.cache = cache
+        self.policy = policy if policy is not None else PrefillPolicy()
+        check_budget(self.policy, cache.num_slots, max_seq_len)
+        self.prefixes = PrefixCache(cache, self.policy)
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
         self.eos_token_ids = eos_token_ids
@@ -156,7 +166,10 @@ class BatchScheduler:
                 finished=c["finished"], cancelled=c["cancelled"], errored=c["error"],
                 prompt_tokens=c["prompt_tokens"], generated_tokens=c["generated_tokens"], steps=c["steps"],
                 prefill_batches=c["prefill_batches"], decode_batches=c["decode_batches"],
-                callback_errors=c["callback_errors"], busy_time_s=self._busy_time, cache_bytes=self.cache.nbytes)
+                callback_errors=c["callback_errors"], busy_time_s=self._busy_time, cache_bytes=self.cache.nbytes,
+                prefill_chunks=c["prefill_chunks"], mixed_steps=c["mixed_steps"], prefix_hits=c["prefix_hits"],
+                prefix_copies=c["prefix_copies"], prefix_tokens_reused=c["prefix_tokens_reused"],
+                state_snapshot_bytes=self.cache.prefix_state_nbytes)
 
     def stop(self) -> None:
         """Stop the loop: every request not yet finished ends as "cancelled", the thread is joined."""
@@ -207,6 +220,22 @@ class BatchScheduler:
                 self._drivers -= 1
                 self._work.notify()
 
+    def configure(self, policy: PrefillPolicy) -> None:
+        """Run on another prefill policy (budget, cuts, reuse) from now on; only while idle, with
+        no request waiting or running (RuntimeError otherwise). What the slots hold stays
+        reusable when the reuse grid and snapshot interval are unchanged, and is forgotten else."""
+        with self._step_lock, self._lock:
+            if self._waiting or self._running:
+                raise RuntimeError("configure() needs an idle scheduler: requests are waiting or running")
+            check_budget(policy, self.cache.num_slots, self.max_seq_len)
+            old, self.policy = self.policy, policy
+            if (policy.reuse_grid, policy.snapshot_interval) == (old.reuse_grid, old.snapshot_interval):
+                self.prefixes.policy = policy
+            else:
+                self.prefixes = PrefixCache(self.cache, policy)
+                for slot in range(self.cache.num_slots):
+                    self.cache.forget(slot)
+
     @property
     def has_work(self) -> bool:
         with self._lock:
@@ -215,7 +244,7 @@ class BatchScheduler:
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """One loop iteration; returns whether it ran any forward pass. Callbacks fire after the
+        """One loop iteration; returns whether it ran a forward pass. Callbacks fire after the
         step has released its lock, so a callback may submit, cancel, step or stop."""
         with self._step_lock:
             start = time.perf_counter()
@@ -224,19 +253,17 @@ class BatchScheduler:
                     return False
                 self._stepping = True
                 self._counts["steps"] += 1
-                prefill = self._admit_requests()
-                decode = [r for r in self._running if r.token_ids and not r.finished and not r.cancel_requested]
+                work = self._schedule()
             try:
-                self._run_batch(prefill, is_decode=False)
-                self._run_batch(decode, is_decode=True)
+                self._run_batch(work)
             finally:
                 with self._lock:
                     self._stepping = False
-                    if prefill or decode:
+                    if work:
                         self._busy_time += time.perf_counter() - start
                     finished = self._handle_completions()
         self._fire_callbacks(finished)
-        return bool(prefill or decode)
+        return bool(work)
 
     def _loop(self) -> None:
         while True:
@@ -250,71 +277,106 @@ class BatchScheduler:
             except BaseException:  # whatever a step raises (SystemExit included), the loop keeps serving
                 logger.exception("scheduler step failed")
 
-    def _admit_requests(self) -> list[Request]:
-        """FCFS: move waiting requests into free slots; returns the admitted ones. Lock held."""
-        admitted = []
+    def _schedule(self) -> list[tuple[Request, SequenceInput]]:
+        """This step's work within the token budget: a decode row for every running request that
+        has sampled, then prefill pieces first come first served (running requests before waiting
+        ones); the first piece that does not fit ends the step's prefill. Lock held."""
+        live = [r for r in self._running if not r.finished and not r.cancel_requested]
+        work = [(r, r.decode_input()) for r in live if r.token_ids]
+        budget = self.policy.max_num_batched_tokens - len(work)
+        for request in live:
+            if request.prefilling:
+                piece = request.prefill_input(self.policy)
+                if len(piece.token_ids) > budget:
+                    return work
+                budget -= len(piece.token_ids)
+                work.append((request, piece))
         while self._waiting and self.cache.num_free > 0:
-            request = self._waiting.popleft()
-            request.slot = self.cache.allocate()
-            request.status = RequestStatus.RUNNING
-            self._running.append(request)
-            admitted.append(request)
-        return admitted
+            request = self._waiting[0]
+            placement = self.prefixes.place(request.prompt_tokens)
+            if self.policy.piece_end(placement.reused, len(request.prompt_tokens)) - placement.reused > budget:
+                break
+            self._admit(self._waiting.popleft(), placement)
+            piece = request.prefill_input(self.policy)
+            budget -= len(piece.token_ids)
+            work.append((request, piece))
+        return work
 
-    def _run_batch(self, requests: list[Request], is_decode: bool) -> None:
-        """Run one prefill or decode batch and apply its outcomes under the lock. An exception that
-        is not an Exception (KeyboardInterrupt, SystemExit) ends the batch with "error" and propagates."""
-        if not requests:
+    def _admit(self, request: Request, placement: Placement) -> None:
+        """Give a waiting request its slot, with the prefix it reuses in place. Lock held."""
+        request.slot = self.prefixes.take(placement, request.prompt_tokens)
+        request.num_prefilled = request.reused = placement.reused
+        request.status = RequestStatus.RUNNING
+        self._running.append(request)
+        if placement.reused:
+            self._counts["prefix_hits"] += 1
+            self._counts["prefix_tokens_reused"] += placement.reused
+            self._counts["prefix_copies"] += placement.copied
+
+    def _run_batch(self, work: list[tuple[Request, SequenceInput]]) -> None:
+        """Run one forward over `work` and apply its outcomes under the lock. An exception that is
+        not an Exception (KeyboardInterrupt, SystemExit) ends the batch with "error" and propagates."""
+        if not work:
             return
         spans: list[Span] = []
         outcomes: Sequence[Outcome] = []
         try:
-            outcomes = self._forward(requests, is_decode, spans)
+            outcomes = self._forward(work, spans)
         except BaseException as exc:
-            outcomes = [exc] * len(requests)
+            outcomes = [exc] * len(work)
             raise
         finally:
             with self._lock:
-                self._counts["decode_batches" if is_decode else "prefill_batches"] += 1
+                self._count_forward([seq for _, seq in work])
                 if self.timeline is not None:
                     step = self._counts["steps"]
                     self.timeline.extend(
-                        SlotEvent(step, "decode" if is_decode else "prefill", r.assigned_slot, r.request_id, n,
-                                  begin - self._started, end - self._started) for r, n, begin, end in spans)
-                for request, outcome in zip(requests, outcomes):
+                        SlotEvent(step, "decode" if seq.decode else "prefill", r.assigned_slot, r.request_id,
+                                  len(seq.token_ids), begin - self._started, end - self._started)
+                        for r, seq, begin, end in spans)
+                for (request, seq), outcome in zip(work, outcomes):
                     if isinstance(outcome, BaseException):
                         request.finish("error", f"{type(outcome).__name__}: {outcome}")
-                    else:
-                        request.append(*outcome)
+                        continue
+                    request.advance(seq, outcome)
+                    if not seq.decode:
+                        self.prefixes.prefilled(request.assigned_slot, request.prompt_tokens, request.num_prefilled)
 
-    def _forward(self, requests: list[Request], is_decode: bool, spans: list[Span]) -> Sequence[Outcome]:
+    def _count_forward(self, seqs: list[SequenceInput]) -> None:
+        """Count one forward: its prefill pieces, and whether it decoded, prefilled or both. Lock held."""
+        pieces = sum(not s.decode for s in seqs)
+        decoded = pieces < len(seqs)
+        self._counts["prefill_chunks"] += pieces
+        self._counts["prefill_batches"] += pieces > 0
+        self._counts["decode_batches"] += decoded
+        self._counts["mixed_steps"] += decoded and pieces > 0
+
+    def _forward(self, work: list[tuple[Request, SequenceInput]], spans: list[Span]) -> Sequence[Outcome]:
         """One forward for the batch; if it raises, one forward per request, so that only the
         requests that fail alone end with their exception."""
-        inputs = [r.decode_input() if is_decode else r.prefill_input() for r in requests]
         try:
-            return self._timed_run(requests, inputs, is_decode, spans)
+            return self._timed_run(work, spans)
         except Exception as exc:
-            if len(requests) == 1:
-                logger.error("forward pass failed for request %d", requests[0].request_id, exc_info=exc)
+            if len(work) == 1:
+                logger.error("forward pass failed for request %d", work[0][0].request_id, exc_info=exc)
                 return [exc]
             logger.warning("forward pass of %d requests failed (%s: %s); rerunning each alone",
-                           len(requests), type(exc).__name__, exc)
+                           len(work), type(exc).__name__, exc)
         outcomes: list[Outcome] = []
-        for request, seq in zip(requests, inputs):
+        for item in work:
             try:
-                outcomes += self._timed_run([request], [seq], is_decode, spans)
+                outcomes += self._timed_run([item], spans)
             except Exception as exc:
-                logger.error("forward pass failed for request %d", request.request_id, exc_info=exc)
+                logger.error("forward pass failed for request %d", item[0].request_id, exc_info=exc)
                 outcomes.append(exc)
         return outcomes
 
-    def _timed_run(self, requests: list[Request], inputs: list, is_decode: bool,
-                   spans: list[Span]) -> list[tuple[int, float]]:
+    def _timed_run(self, work: list[tuple[Request, SequenceInput]], spans: list[Span]) -> list[Outcome]:
         start = time.perf_counter()
-        outputs = self.runner.run(inputs, is_decode)
+        outputs = self.runner.run([seq for _, seq in work])
         end = time.perf_counter()
-        spans.extend((r, len(i.token_ids), start, end) for r, i in zip(requests, inputs))
-        return outputs
+        spans.extend((r, seq, start, end) for r, seq in work)
+        return list(outputs)
 
     def _handle_completions(self) -> list[Request]:
         """Free the slots of finished or cancelled requests and publish their results. Lock held."""
@@ -325,8 +387,10 @@ class BatchScheduler:
             if request.finished:
                 self._running.remove(request)
                 # A failed request's slot claims no contents: a failed forward may have written them.
-                held = [] if request.finish_reason == "error" else request.held_tokens()
-                self.cache.free(request.assigned_slot, held)
+                failed = request.finish_reason == "error"
+                if failed:
+                    self.prefixes.forget(request.assigned_slot)
+                self.cache.free(request.assigned_slot, [] if failed else request.held_tokens())
                 request.slot = None
                 finished.append(request)
         for request in finished:

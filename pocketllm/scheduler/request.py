@@ -14,6 +14,7 @@ import torch
 from ..outputs import FinishReason, GenerationResult
 from ..runner import SequenceInput
 from ..sampling import SamplingParams
+from .policy import PrefillPolicy
 
 
 def is_array(value: Any) -> bool:
@@ -92,11 +93,19 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     cancel_requested: bool = False
+    num_prefilled: int = 0  # prompt tokens in the slot (reused or prefilled)
+    reused: int = 0  # prompt tokens taken from a slot's contents instead of prefilled
 
     @property
     def num_cached(self) -> int:
-        """Tokens whose K/V are in the slot: the prompt and every generated token but the last."""
-        return len(self.prompt_tokens) + max(len(self.token_ids) - 1, 0)
+        """Tokens whose K/V are in the slot: the prompt prefilled so far and, once it is done, every
+        generated token but the last."""
+        return self.num_prefilled + max(len(self.token_ids) - 1, 0)
+
+    @property
+    def prefilling(self) -> bool:
+        """Part of the prompt is still to be prefilled."""
+        return self.num_prefilled < len(self.prompt_tokens)
 
     @property
     def assigned_slot(self) -> int:
@@ -104,11 +113,22 @@ class Request:
         assert self.slot is not None, f"request {self.request_id} holds no slot"
         return self.slot
 
-    def prefill_input(self) -> SequenceInput:
-        return SequenceInput(self.assigned_slot, 0, list(self.prompt_tokens), self.params, self.seed)
+    def prefill_input(self, policy: PrefillPolicy) -> SequenceInput:
+        """The next piece of the prompt, cut where `policy` says; it samples if it ends the prompt."""
+        end = policy.piece_end(self.num_prefilled, len(self.prompt_tokens))
+        return SequenceInput(self.assigned_slot, self.num_prefilled, self.prompt_tokens[self.num_prefilled:end],
+                             self.params, self.seed, decode=False, sample=end == len(self.prompt_tokens))
 
     def decode_input(self) -> SequenceInput:
-        return SequenceInput(self.assigned_slot, self.num_cached, [self.token_ids[-1]], self.params, self.seed)
+        return SequenceInput(self.assigned_slot, self.num_cached, [self.token_ids[-1]], self.params, self.seed,
+                             decode=True)
+
+    def advance(self, seq: SequenceInput, output: tuple[int, float] | None) -> None:
+        """Record a forward of `seq` that succeeded: the prompt advanced, a token was sampled, or both."""
+        if not seq.decode:
+            self.num_prefilled = seq.start + len(seq.token_ids)
+        if output is not None:
+            self.append(*output)
 
     def append(self, token: int, logprob: float) -> None:
         """Record a sampled token and finish the request if it stops or reaches max_tokens."""
@@ -134,9 +154,7 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def held_tokens(self) -> list[int]:
-        """Token ids whose K/V the slot holds once this request leaves it (none before prefill)."""
-        if not self.token_ids:
-            return []
+        """Token ids whose K/V the slot holds once this request leaves it."""
         return (self.prompt_tokens + self.token_ids)[: self.num_cached]
 
     def result(self) -> GenerationResult:

@@ -28,11 +28,17 @@ class SchedulerStats:
     prompt_tokens: int
     generated_tokens: int
     steps: int
-    prefill_batches: int
-    decode_batches: int
+    prefill_batches: int  # forwards that ran a prefill piece
+    decode_batches: int  # forwards that ran a decode row
     callback_errors: int
     busy_time_s: float  # time spent inside steps that ran a forward
     cache_bytes: int  # size of the slot cache the scheduler runs on
+    prefill_chunks: int  # prefill pieces run (a prompt cut into n pieces counts n)
+    mixed_steps: int  # forwards that ran decode rows and prefill pieces together
+    prefix_hits: int  # requests that reused a prefix held by a slot
+    prefix_copies: int  # ... of which copied it from a busy slot
+    prefix_tokens_reused: int  # prompt tokens not prefilled thanks to reuse
+    state_snapshot_bytes: int  # Gated DeltaNet state copies held now, for prefix reuse
     ttft_mean_s: float
     ttft_p50_s: float
     ttft_p99_s: float
@@ -44,6 +50,11 @@ class SchedulerStats:
     def tokens_per_s(self) -> float:
         """Generated tokens per second of busy time."""
         return self.generated_tokens / self.busy_time_s if self.busy_time_s > 0 else 0.0
+
+    @property
+    def chunks_per_step(self) -> float:
+        """Prefill pieces per forward that prefilled."""
+        return self.prefill_chunks / self.prefill_batches if self.prefill_batches else 0.0
 
     @classmethod
     def build(cls, ttfts: list[float], totals: list[float], **counts: Any) -> SchedulerStats:

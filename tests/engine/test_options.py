@@ -15,7 +15,9 @@ def test_none_and_empty_mean_defaults():
     args = EngineArgs(model="x", backend_options=None)
     assert args.options == Options(EngineOptions(), BackendOptions())
     assert args.backend_options == {"enable_batching": False, "max_batch_size": 8, "background_thread": True,
-                                    "record_timeline": False, "batch_invariant": True,
+                                    "record_timeline": False, "max_num_batched_tokens": 2048,
+                                    "prefill_chunk_size": 512, "enable_prefix_reuse": True,
+                                    "state_snapshot_interval": 512, "batch_invariant": True,
                                     "invariance_probe": True, "decode_per_row": False}
 
 
@@ -37,3 +39,10 @@ def test_unknown_key_lists_every_known_one():
 def test_not_a_dict_is_refused():
     with pytest.raises(TypeError, match="backend_options must be a dict, got list"):
         parse_backend_options([("max_batch_size", 2)])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name,value", [("prefill_chunk_size", 100), ("prefill_chunk_size", -64),
+                                        ("state_snapshot_interval", 65), ("max_num_batched_tokens", 0)])
+def test_chunk_and_interval_are_multiples_of_64(name, value):
+    with pytest.raises(ValueError, match=rf"backend_options\['{name}'\] must be an int in \[.*got {value}"):
+        EngineArgs(model="x", backend_options={name: value})

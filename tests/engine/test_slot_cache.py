@@ -29,9 +29,10 @@ def test_layout_per_layer_kind():
     assert cache.slot_tokens == [[], [], []]
 
 
-def test_allocate_takes_the_lowest_free_slot_and_zeroes_only_its_states():
-    """Allocation order is lowest-free-first, also after frees in any order; taking a slot zeroes
-    its conv and recurrent state (not other slots', not K/V) and forgets its remembered tokens."""
+def test_allocate_takes_the_least_recently_used_slot_and_zeroes_only_its_states():
+    """Never-used slots go first in index order, then freed slots in the order they were freed (what
+    a slot holds lasts as long as possible for prefix reuse); taking a slot zeroes its conv and
+    recurrent state (not other slots', not K/V) and forgets its remembered tokens."""
     cache = SlotCache(3, 8, LAYERS, torch.float32)
     assert [cache.allocate() for _ in range(3)] == [0, 1, 2]
     assert cache.num_free == 0
@@ -42,12 +43,55 @@ def test_allocate_takes_the_lowest_free_slot_and_zeroes_only_its_states():
     cache.free(2, [7, 8])
     cache.free(0, [4, 5, 6])
     assert cache.num_free == 2 and cache.slot_tokens == [[4, 5, 6], [], [7, 8]]
-    assert cache.allocate() == 0
-    assert cache.slot_tokens == [[], [], [7, 8]]
-    assert not cache.conv[1][0].any() and not cache.recurrent[1][0].any()
-    assert bool((cache.conv[1][1:] == 1).all()) and bool((cache.recurrent[1][1:] == 1).all())
+    assert cache.free_slots == [2, 0]
+    assert cache.allocate() == 2
+    assert cache.slot_tokens == [[4, 5, 6], [], []]
+    assert not cache.conv[1][2].any() and not cache.recurrent[1][2].any()
+    assert bool((cache.conv[1][:2] == 1).all()) and bool((cache.recurrent[1][:2] == 1).all())
     assert bool((cache.k[0] == 1).all())  # K/V are overwritten position by position, never cleared
-    assert cache.allocate() == 2 and cache.num_free == 0
+    assert cache.allocate() == 0 and cache.num_free == 0
+
+
+def test_allocate_a_given_slot_keeping_a_prefix_resumes_its_state_copy():
+    """allocate(slot, keep): K/V stay, the recurrent states become their copy at `keep`, copies
+    past `keep` are dropped; a keep without a copy, or a slot that is not free, is refused."""
+    cache = SlotCache(2, 8, LAYERS, torch.float32)
+    slot = cache.allocate()
+    cache.recurrent[1][slot].fill_(2.0)
+    cache.save_prefix_state(slot, 4)
+    cache.recurrent[1][slot].fill_(3.0)
+    cache.save_prefix_state(slot, 8)
+    cache.k[0][slot].fill_(5.0)
+    assert cache.prefix_state_nbytes == 2 * cache.prefix_state_bytes
+    with pytest.raises(SlotCacheError, match="slot 0 is not free"):
+        cache.allocate(slot)
+    cache.free(slot, [1] * 8)
+    with pytest.raises(SlotCacheError, match="no state copy at position 3"):
+        cache.allocate(slot, keep=3)
+    assert cache.allocate(slot, keep=4) == slot
+    assert bool((cache.recurrent[1][slot] == 2).all()) and bool((cache.k[0][slot] == 5).all())
+    assert sorted(cache.prefix_states[slot]) == [4]
+
+
+def test_copy_prefix_copies_rows_and_states_bit_for_bit():
+    cache = SlotCache(2, 8, LAYERS, torch.float32)
+    source, target = cache.allocate(), cache.allocate()
+    cache.k[0][source].normal_()
+    cache.v[0][source].normal_()
+    cache.conv[1][source].normal_()
+    cache.recurrent[1][source].normal_()
+    cache.save_prefix_state(source, 4)
+    state = cache.recurrent[1][source].clone()
+    cache.recurrent[1][source].zero_()  # the source moves on; its copy at 4 stays
+    cache.copy_prefix(source, target, 4)
+    assert torch.equal(cache.k[0][target, :4], cache.k[0][source, :4])
+    assert torch.equal(cache.v[0][target, :4], cache.v[0][source, :4])
+    assert not cache.k[0][target, 4:].any()
+    assert torch.equal(cache.recurrent[1][target], state)
+    assert sorted(cache.prefix_states[target]) == [4]
+    assert cache.prefix_state_nbytes == cache.prefix_state_bytes  # the copy is shared, not duplicated
+    with pytest.raises(SlotCacheError, match="no state copy at position 8"):
+        cache.copy_prefix(source, target, 8)
 
 
 def test_free_rejects_slots_not_in_use():

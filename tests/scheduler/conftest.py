@@ -37,22 +37,31 @@ def drain(scheduler, limit: int = 10_000) -> int:
 
 
 class RunRecorder:
-    """Wraps llm.runner.run and records every forward: (is_decode, [(slot, start, token_ids)])."""
+    """Wraps llm.runner.run and records every forward: (all decode rows?, [(slot, start, token_ids)]),
+    and which of its sequences were decode rows (`kinds`)."""
 
     def __init__(self, llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple[bool, list[tuple[int, int, list[int]]]]] = []
+        self.kinds: list[list[bool]] = []
         self._real = llm.runner.run
         monkeypatch.setattr(llm.runner, "run", self.run)
 
-    def run(self, seqs, is_decode):
-        self.calls.append((is_decode, [(s.slot, s.start, list(s.token_ids)) for s in seqs]))
-        return self._real(seqs, is_decode)
+    def run(self, seqs):
+        self.calls.append((all(s.decode for s in seqs), [(s.slot, s.start, list(s.token_ids)) for s in seqs]))
+        self.kinds.append([s.decode for s in seqs])
+        return self._real(seqs)
+
+    def _part(self, decode: bool):
+        """Per forward that has any, its sequences of one kind."""
+        parts = [[fed for fed, kind in zip(seqs, kinds) if kind == decode]
+                 for (_, seqs), kinds in zip(self.calls, self.kinds)]
+        return [part for part in parts if part]
 
     def prefills(self):
-        return [seqs for is_decode, seqs in self.calls if not is_decode]
+        return self._part(False)
 
     def decodes(self):
-        return [seqs for is_decode, seqs in self.calls if is_decode]
+        return self._part(True)
 
 
 class Gate:
@@ -65,11 +74,11 @@ class Gate:
         self.entered = threading.Event()
         monkeypatch.setattr(llm.runner, "run", self.run)
 
-    def run(self, seqs, is_decode):
+    def run(self, seqs):
         self.entered.set()
         if not self.opened.wait(30):
             raise AssertionError("gate was never opened")
-        return self._real(seqs, is_decode)
+        return self._real(seqs)
 
 
 @pytest.fixture(autouse=True)

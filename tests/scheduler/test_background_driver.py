@@ -17,9 +17,9 @@ def _record_threads(llm, monkeypatch) -> list[str]:
     names: list[str] = []
     real = llm.runner.run
 
-    def run(seqs, is_decode):
+    def run(seqs):
         names.append(threading.current_thread().name)
-        return real(seqs, is_decode)
+        return real(seqs)
 
     monkeypatch.setattr(llm.runner, "run", run)
     return names
@@ -72,11 +72,11 @@ def test_two_concurrent_drivers_keep_the_thread_asleep(make_llm, monkeypatch):
     recorded_run = llm.runner.run
     a_inside, b_inside = threading.Event(), threading.Event()
 
-    def run(seqs, is_decode):
+    def run(seqs):
         a_inside.set()
         b_inside.wait(10)  # A's first forward waits until B is inside generate()
         time.sleep(0.02)  # slow forwards: a thread that wrongly woke up would get steps
-        return recorded_run(seqs, is_decode)
+        return recorded_run(seqs)
 
     monkeypatch.setattr(llm.runner, "run", run)
     real_submit = llm.scheduler.submit_request
@@ -111,9 +111,9 @@ def test_a_poll_that_waits_steps_on_its_own_thread(make_llm, gate, wait_until):
     names: list[str] = []
     gated_run = llm.runner.run
 
-    def run(seqs, is_decode):
+    def run(seqs):
         names.append(threading.current_thread().name)
-        return gated_run(seqs, is_decode)
+        return gated_run(seqs)
 
     llm.runner.run = run
     params = SamplingParams(max_tokens=3, temperature=0)

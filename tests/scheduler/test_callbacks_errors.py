@@ -101,19 +101,27 @@ def test_raising_callback_is_logged_counted_and_contained(make_llm, drain, wait_
     assert llm.cache.num_free == 2
 
 
+def has_prefill(seqs) -> bool:
+    return any(not s.decode for s in seqs)
+
+
+def has_decode(seqs) -> bool:
+    return any(s.decode for s in seqs)
+
+
 def failing_run(llm, monkeypatch, fail_on, once: bool = True):
     """Patch llm.runner.run to raise RuntimeError("boom") on the calls for which
-    fail_on(call_index, is_decode) is true (with `once`, only the first such call); returns the call log."""
+    fail_on(call_index, seqs) is true (with `once`, only the first such call); returns the call log."""
     real = llm.runner.run
     log = {"calls": 0, "failed": 0}
 
-    def run(seqs, is_decode):
+    def run(seqs):
         index = log["calls"]
         log["calls"] += 1
-        if not (once and log["failed"]) and fail_on(index, is_decode):
+        if not (once and log["failed"]) and fail_on(index, seqs):
             log["failed"] += 1
             raise RuntimeError("boom")
-        return real(seqs, is_decode)
+        return real(seqs)
 
     monkeypatch.setattr(llm.runner, "run", run)
     return log
@@ -129,7 +137,7 @@ def test_prefill_failure_errors_its_batch_and_keeps_serving(make_llm, drain, mon
     drain(s)
     reference = s.poll_result(reference_id)
 
-    log = failing_run(llm, monkeypatch, lambda i, is_decode: not is_decode, once=False)
+    log = failing_run(llm, monkeypatch, lambda i, seqs: has_prefill(seqs), once=False)
     caplog.set_level(logging.ERROR, logger=LOGGER)
     cb = Callbacks()
     ids = [s.submit_request(p, greedy(3), callback=cb) for p in ([1], [2, 3], [4, 5, 6])]
@@ -165,7 +173,7 @@ def test_transient_batch_failure_is_retried_per_request(make_llm, drain, monkeyp
     reference = [s.poll_result(rid) for rid in ids]
 
     for is_decode_failing in (False, True):
-        log = failing_run(llm, monkeypatch, lambda i, is_decode, f=is_decode_failing: is_decode == f)
+        log = failing_run(llm, monkeypatch, lambda i, seqs, f=is_decode_failing: (has_decode if f else has_prefill)(seqs))
         ids = [s.submit_request(p, greedy(4)) for p in prompts]
         drain(s)
         assert log["failed"] == 1
@@ -189,7 +197,7 @@ def test_decode_failure_errors_only_the_decode_batch(make_llm, drain, monkeypatc
     a = s.submit_request([1, 2], greedy(4))
     b = s.submit_request([3], greedy(4))
     s.step()  # both prefilled
-    log = failing_run(llm, monkeypatch, lambda i, is_decode: is_decode and i <= 3, once=False)
+    log = failing_run(llm, monkeypatch, lambda i, seqs: has_decode(seqs) and i <= 3, once=False)
     fresh = s.submit_request([8, 9], greedy(3))
     s.step()  # prefill of `fresh` succeeds; decode of a and b raises, batched and alone
     assert log["failed"] == 3
@@ -214,7 +222,7 @@ def test_prefill_failure_leaves_running_requests_alone(make_llm, drain, monkeypa
 
     survivor = s.submit_request([4, 4, 2], greedy(5))
     s.step()
-    failing_run(llm, monkeypatch, lambda i, is_decode: not is_decode)
+    failing_run(llm, monkeypatch, lambda i, seqs: has_prefill(seqs), once=False)  # fails alone again
     doomed = s.submit_request([7], greedy(5))
     s.step()
     assert s.poll_result(doomed).finish_reason == "error"
@@ -228,7 +236,7 @@ def test_forward_failure_does_not_stop_background_thread(make_llm, monkeypatch):
     still served by the same thread."""
     llm = make_llm(max_batch_size=2, background=True)
     s = llm.scheduler
-    failing_run(llm, monkeypatch, lambda i, is_decode: i == 0)
+    failing_run(llm, monkeypatch, lambda i, seqs: i == 0)
     doomed = s.submit_request([1, 2], greedy(3))
     result = s.poll_result(doomed, timeout_ms=10_000)
     assert result is not None and result.finish_reason == "error" and "boom" in result.error

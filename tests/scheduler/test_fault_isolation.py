@@ -140,10 +140,10 @@ def test_keyboard_interrupt_in_a_forward_propagates_and_loses_no_request(tiny_ch
         first = [s.submit_request(p, sp) for p, sp in zip(PROMPTS[:2], PARAMS[:2])]
         s.step()  # prefill only
         interrupt.armed = True
-        late = s.submit_request(PROMPTS[2], PARAMS[2])
         with pytest.raises(KeyboardInterrupt):
-            s.step()  # prefill of `late` succeeds, the decode of `first` is interrupted
+            s.step()  # the decode of `first` is interrupted
         interrupt.armed = False
+        late = s.submit_request(PROMPTS[2], PARAMS[2])
         drain(s)
         assert [s.poll_result(rid).finish_reason for rid in first] == ["error", "error"]
         assert s.poll_result(late).finish_reason == "length"

@@ -119,10 +119,10 @@ def test_at_most_max_batch_size_running(make_llm, recorder, drain):
     assert drain(s) == 0
 
 
-def test_prefill_batched_in_one_forward_then_one_decode_forward(make_llm, recorder):
+def test_one_forward_per_step_decode_rows_and_prefill_pieces(make_llm, recorder):
     """Requests admitted in the same step are prefilled in ONE forward (mixed prompt lengths, full
-    prompts from position 0); every running request is decoded in ONE forward per step; a request
-    admitted later is prefilled in its own forward, separate from the decode of the others."""
+    prompts from position 0); a request admitted later is prefilled in the same forward as the
+    decode rows of the running requests (a mixed step); every step is one forward."""
     llm = make_llm(max_batch_size=4)
     s = llm.scheduler
     rec = recorder(llm)
@@ -130,36 +130,34 @@ def test_prefill_batched_in_one_forward_then_one_decode_forward(make_llm, record
     ids = [s.submit_request(p, greedy(3)) for p in prompts]
 
     s.step()
-    assert len(rec.calls) == 1
-    is_decode, seqs = rec.calls[0]
-    assert not is_decode
-    assert [(start, tokens) for _, start, tokens in seqs] == [(0, p) for p in prompts]
+    assert len(rec.calls) == 1 and rec.kinds[0] == [False] * 3
+    assert [(start, tokens) for _, start, tokens in rec.calls[0][1]] == [(0, p) for p in prompts]
     stats = s.get_stats()
-    assert (stats.prefill_batches, stats.decode_batches) == (1, 0)
+    assert (stats.prefill_batches, stats.decode_batches, stats.mixed_steps) == (1, 0, 0)
 
     late_prompt = [11, 12, 13, 14]
     late = s.submit_request(late_prompt, greedy(2))
     s.step()
-    assert len(rec.calls) == 3
-    (pre_decode, pre_seqs), (dec_decode, dec_seqs) = rec.calls[1], rec.calls[2]
-    assert not pre_decode and [(st, t) for _, st, t in pre_seqs] == [(0, late_prompt)]
-    assert dec_decode and len(dec_seqs) == 3
+    assert len(rec.calls) == 2 and rec.kinds[1] == [True] * 3 + [False]
+    dec_seqs, pre_seqs = rec.calls[1][1][:3], rec.calls[1][1][3:]
+    assert [(st, t) for _, st, t in pre_seqs] == [(0, late_prompt)]
     assert [start for _, start, _ in dec_seqs] == [len(p) for p in prompts]
     assert all(len(tokens) == 1 for _, _, tokens in dec_seqs)
     stats = s.get_stats()
-    assert (stats.prefill_batches, stats.decode_batches) == (2, 1)
+    assert (stats.prefill_batches, stats.decode_batches, stats.mixed_steps) == (2, 1, 1)
+    assert stats.prefill_chunks == 4
 
     s.step()  # the three first requests reach 3 tokens, `late` reaches 2: one decode of 4 sequences
-    assert len(rec.calls) == 4
-    is_decode, seqs = rec.calls[3]
+    assert len(rec.calls) == 3
+    is_decode, seqs = rec.calls[2]
     assert is_decode and len(seqs) == 4
     assert [start for _, start, _ in seqs] == [len(p) + 1 for p in prompts] + [len(late_prompt)]
     assert not s.has_work
     results = [s.poll_result(i) for i in ids]
     # The decode inputs fed back each request's own previously sampled token.
-    for (_, _, fed1), (_, _, fed2), result in zip(rec.calls[2][1], rec.calls[3][1], results):
+    for (_, _, fed1), (_, _, fed2), result in zip(dec_seqs, rec.calls[2][1], results):
         assert fed1 == [result.token_ids[0]] and fed2 == [result.token_ids[1]]
-    assert s.poll_result(late).token_ids[0] == rec.calls[3][1][3][2][0]
+    assert s.poll_result(late).token_ids[0] == rec.calls[2][1][3][2][0]
 
 
 def test_max_tokens_one_finishes_at_prefill_never_decoded(make_llm, recorder):

@@ -7,6 +7,7 @@ import pytest
 
 from pocketllm.outputs import GenerationResult
 from pocketllm.sampling import SamplingParams
+from pocketllm.scheduler.policy import PrefillPolicy
 from pocketllm.scheduler.request import Request, RequestStatus, validate_prompt
 
 EOS = (9, 10)
@@ -24,12 +25,12 @@ def test_inputs_at_each_stage():
     tokens already cached (the prompt and every generated token but the last)."""
     request = _request()
     assert request.status is RequestStatus.WAITING and not request.finished
-    assert request.num_cached == 3 and request.held_tokens() == []
-    prefill = request.prefill_input()
+    assert request.num_cached == 0 and request.held_tokens() == [] and request.prefilling
+    prefill = request.prefill_input(PrefillPolicy())
     assert (prefill.slot, prefill.start, prefill.token_ids, prefill.seed) == (2, 0, [1, 2, 3], 5)
-    assert prefill.params is request.params
-    request.append(40, -1.5)
-    assert request.num_cached == 3
+    assert prefill.params is request.params and prefill.sample and not prefill.decode
+    request.advance(prefill, (40, -1.5))
+    assert request.num_cached == 3 and not request.prefilling
     decode = request.decode_input()
     assert (decode.slot, decode.start, decode.token_ids, decode.seed) == (2, 3, [40], 5)
     request.append(41, -0.5)
@@ -40,7 +41,7 @@ def test_inputs_at_each_stage():
 
 def test_length_finish_and_result():
     request = _request(max_tokens=2)
-    request.append(40, -1.5)
+    request.advance(request.prefill_input(PrefillPolicy()), (40, -1.5))
     assert not request.finished and request.first_token_time is not None
     first_time = request.first_token_time
     request.append(41, -0.25)
@@ -114,3 +115,22 @@ def test_validate_prompt_accepts_and_copies():
 def test_validate_prompt_refuses(prompt, params, error, message):
     with pytest.raises(error, match=f"^{message}$"):  # the whole message: nothing added around it
         validate_prompt(prompt, params, vocab_size=100, max_seq_len=7)
+
+
+def test_a_long_prompt_is_fed_in_pieces_cut_on_the_policy_grid():
+    """Pieces end at request-local multiples of the chunk size and of the snapshot interval; only
+    the last one samples; a reused prefix starts the first piece at its end."""
+    params = SamplingParams(max_tokens=2, seed=1)
+    request = Request(1, list(range(300)), params, seed=1)
+    request.slot = 0
+    policy = PrefillPolicy(max_num_batched_tokens=1000, chunk_size=128, snapshot_interval=192)
+    pieces = []
+    while request.prefilling:
+        piece = request.prefill_input(policy)
+        pieces.append((piece.start, len(piece.token_ids), piece.sample))
+        request.advance(piece, (7, -1.0) if piece.sample else None)
+    assert pieces == [(0, 128, False), (128, 64, False), (192, 64, False), (256, 44, True)]
+    assert request.token_ids == [7] and request.num_cached == 300
+    warm = Request(2, list(range(300)), params, seed=1)
+    warm.slot, warm.num_prefilled = 1, 192
+    assert (warm.prefill_input(policy).start, len(warm.prefill_input(policy).token_ids)) == (192, 64)

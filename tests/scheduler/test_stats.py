@@ -79,7 +79,7 @@ def test_stats_agree_with_results(make_llm, recorder, drain, monkeypatch):
     # 1) an errored request: its prefill forward raises
     real_run = llm.runner.run
 
-    def failing(seqs, is_decode):
+    def failing(seqs):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(llm.runner, "run", failing)

@@ -39,7 +39,7 @@ def test_logprobs_busy_time_and_timeline_clock(tiny_checkpoint):
 def test_failed_forward_is_logged_with_its_request_count(tiny_checkpoint, monkeypatch, caplog):
     llm = _engine(tiny_checkpoint)
     try:
-        def broken(seqs, is_decode):
+        def broken(seqs):
             raise RuntimeError("planted")
 
         monkeypatch.setattr(llm.runner, "run", broken)

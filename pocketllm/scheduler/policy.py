@@ -1,0 +1,77 @@
+"""PrefillPolicy: where prompts are cut into pieces, how many tokens a step may run, which prefix
+of a prompt may be reused.
+
+Every cut is a request-local position fixed by the prompt and these constants, never by the step's
+token budget or by what else runs: a prompt runs the same pieces cold or warm, alone or batched,
+so its arithmetic (and its bits) are the same. A reused prefix ends on a cut, so the rest of the
+prompt runs exactly the pieces of a cold run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The Gated DeltaNet chunk and the attention key block: chunk sizes and snapshot intervals are
+# multiples of it, so that a cut never splits a kernel's block.
+GRID = 64
+
+
+@dataclass(frozen=True)
+class PrefillPolicy:
+    """`chunk_size`: a prompt is cut at multiples of it (0: not cut). `snapshot_interval`: cuts
+    too, and the positions prefixes are reused from; hybrid models keep their recurrent states
+    there (0: reuse at chunk boundaries; a hybrid model then reuses nothing). With both 0 nothing
+    is reused: a warm prompt could not run the pieces of its cold run. `max_num_batched_tokens`:
+    tokens one step runs, decode rows included."""
+
+    max_num_batched_tokens: int = 2048
+    chunk_size: int = 512
+    snapshot_interval: int = 0
+    prefix_reuse: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_size", "snapshot_interval"):
+            value = getattr(self, name)
+            if value < 0 or value % GRID:
+                raise ValueError(f"{name} must be 0 or a positive multiple of {GRID}, got {value}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+    def piece_end(self, done: int, prompt_len: int) -> int:
+        """End of the piece that starts after `done` prefilled tokens: the next cut, or the prompt's end."""
+        end = prompt_len
+        for step in (self.chunk_size, self.snapshot_interval):
+            if step:
+                end = min(end, (done // step + 1) * step)
+        return end
+
+    def max_piece(self, max_seq_len: int) -> int:
+        """The longest piece a prompt of up to `max_seq_len` tokens can run."""
+        steps = [s for s in (self.chunk_size, self.snapshot_interval) if s]
+        return min(steps + [max_seq_len])
+
+    @property
+    def reuse_grid(self) -> int:
+        """Reused prefixes are multiples of this, always a cut: the snapshot interval, else the
+        chunk size (0: no reuse)."""
+        return self.snapshot_interval or self.chunk_size
+
+    def reusable(self, shared: int, prompt_len: int) -> int:
+        """How much of a prompt may come from a slot that holds its first `shared` tokens: rounded
+        down to the reuse grid, and at least one token left to prefill (it yields the first logits)."""
+        grid = self.reuse_grid
+        if not self.prefix_reuse or not grid:
+            return 0
+        return min(shared, prompt_len - 1) // grid * grid
+
+
+def check_budget(policy: PrefillPolicy, max_batch_size: int, max_seq_len: int) -> None:
+    """ValueError unless every step can decode every running request and run one whole piece:
+    otherwise a prompt could wait for ever."""
+    piece = policy.max_piece(max_seq_len)
+    need = piece + max_batch_size - 1
+    if policy.max_num_batched_tokens < need:
+        raise ValueError(
+            f"max_num_batched_tokens must be >= {need} (the longest prefill piece, {piece} tokens, plus one decode "
+            f"token for each other slot of max_batch_size={max_batch_size}), got {policy.max_num_batched_tokens}; "
+            f"raise it or lower prefill_chunk_size")

@@ -1,0 +1,142 @@
+"""The invariance contract under the step scheduler's features: token budgets, chunked prefill,
+mixed decode + prefill steps and exact prefix reuse (retained slots, copies from busy slots,
+Gated DeltaNet state snapshots). Every request's tokens and logprobs must equal its cold serial
+run (reusing nothing, its prompt cut at the same request-local positions) with `==`; a negative
+control shows the property would catch cuts that move with the budget.
+
+Why the cold run is cut the same way: the torch backend's prefill attention is torch's fused
+attention, one call per piece, whose blocking follows the piece's length, so a prompt in one piece
+and in two can differ in the last bit. The pieces themselves, and so the bits, depend only on the
+request: that is the contract."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import budget
+from hypothesis import given, settings
+
+from pocketllm import SamplingParams
+from pocketllm.lab.engine import Engines, Job, Schedule, mismatches, prefix_workloads, run_batched
+from pocketllm.scheduler import PrefillPolicy
+
+VOCAB = 256  # the tiny presets
+MAX_SEQ_LEN = 224  # prompts up to 200 tokens, 12 new ones
+
+# Qwen3 and Qwen3.5 (attention-only and hybrid), on both decode strategies of the torch backend.
+VARIANTS = {"tiny": ("tiny", {}), "qwen3.5": ("qwen3.5", {}), "tiny_per_row": ("tiny", {"decode_per_row": True}),
+            "qwen3.5_mm_untied": ("qwen3.5_mm_untied", {})}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def engines(request, checkpoint_dir):
+    variant, options = VARIANTS[request.param]
+    engines = Engines(checkpoint_dir(variant), max_seq_len=MAX_SEQ_LEN, **options)
+    yield engines
+    engines.close()
+
+
+# The contract is the product's signature: three times the profile's examples, as the other property.
+@settings(max_examples=3 * budget())
+@given(workload=prefix_workloads(VOCAB))
+def test_chunked_mixed_and_reused_equals_cold_serial_bitwise(engines, workload):
+    """Random budgets, chunk sizes, snapshot intervals and reuse, shared system prompts, arrivals
+    and cancellations: every request equals its cold serial run, bit for bit."""
+    jobs, max_batch_size, schedule = workload
+    assert mismatches(engines, jobs, max_batch_size, schedule) == []
+
+
+def _system_prompt_jobs(rng: random.Random, systems: int = 2, jobs: int = 10) -> list[Job]:
+    prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randint(130, 150))] for _ in range(systems)]
+    return [Job(tuple(prefixes[i % systems] + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]),
+                SamplingParams(max_tokens=rng.randint(2, 10), temperature=rng.choice([0.0, 0.8]),
+                               seed=rng.randrange(2**32), ignore_eos=True),
+                arrival_step=rng.randint(0, 6), cancel_step=None)
+            for i in range(jobs)]
+
+
+@pytest.mark.parametrize("variant", ["tiny", "qwen3.5"])
+def test_reuse_happens_from_retained_and_busy_slots(checkpoint_dir, variant):
+    """The property above is not vacuous: on system-prompt traffic the scheduler reuses prefixes,
+    both by taking a retained slot and by copying from a busy one, chunks prompts and mixes steps;
+    and every output still equals its cold serial run."""
+    engines = Engines(checkpoint_dir(variant), max_seq_len=MAX_SEQ_LEN)
+    try:
+        jobs = _system_prompt_jobs(random.Random(3))
+        schedule = Schedule(chunk_size=64, snapshot_interval=64, budget_slack=0, prefix_reuse=True)
+        assert mismatches(engines, jobs, 3, schedule) == []
+        # Again, on the slots the first round left: every prompt now finds its system prompt.
+        assert mismatches(engines, jobs, 3, schedule) == []
+        stats = engines.scheduler(3).get_stats()
+        assert stats.prefix_hits >= len(jobs) and stats.prefix_copies > 0
+        assert stats.prefix_tokens_reused >= 128 * len(jobs)
+        assert stats.mixed_steps > 0 and stats.prefill_chunks > 2 * len(jobs)
+        if variant == "qwen3.5":
+            assert stats.state_snapshot_bytes > 0
+    finally:
+        engines.close()
+
+
+class BudgetCuts(PrefillPolicy):
+    """Cuts a prompt after a share of the step's token budget: boundaries that move with the
+    budget, off the 64-token grid, which the contract forbids."""
+
+    def piece_end(self, done: int, prompt_len: int) -> int:
+        return min(prompt_len, done + self.max_piece(prompt_len))
+
+    def max_piece(self, max_seq_len: int) -> int:
+        return self.max_num_batched_tokens // 3
+
+
+@pytest.mark.parametrize("variant", ["tiny", "qwen3.5"])
+def test_negative_control_budget_dependent_cuts(checkpoint_dir, variant):
+    """With cuts that depend on the budget the same comparison fails: the property has teeth on
+    both model families. Passes when a counterexample is found."""
+    engines = Engines(checkpoint_dir(variant), max_seq_len=MAX_SEQ_LEN)
+    rng = random.Random(0)
+    try:
+        for attempt in range(10):
+            jobs = [Job(tuple(rng.randrange(VOCAB) for _ in range(rng.randint(40, 200))),
+                        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), arrival_step=0,
+                        cancel_step=None) for _ in range(3)]
+            policy = BudgetCuts(max_num_batched_tokens=rng.choice([150, 200, 260]), chunk_size=0,
+                                snapshot_interval=0, prefix_reuse=False)
+            if mismatches(engines, jobs, 2, policy):
+                return
+        pytest.fail("budget-dependent cuts changed no output: the property cannot see them")
+    finally:
+        engines.close()
+
+
+def test_run_batched_runs_on_the_given_policy(checkpoint_dir):
+    """A policy passed to run_batched is the one the scheduler runs on."""
+    engines = Engines(checkpoint_dir("tiny"), max_seq_len=MAX_SEQ_LEN)
+    try:
+        policy = PrefillPolicy(max_num_batched_tokens=200, chunk_size=64)
+        run_batched(engines, [Job(tuple(range(150)), SamplingParams(max_tokens=1), 0, None)], 2, policy)
+        scheduler = engines.scheduler(2)
+        assert scheduler.policy is policy and scheduler.get_stats().prefill_chunks == 3
+    finally:
+        engines.close()
+
+
+# The Triton backend under the interpreter: one short example per family (about a second a forward).
+TRITON_EXAMPLES = budget() if torch.cuda.is_available() else 1
+
+
+@pytest.fixture(scope="module", params=["tiny", "qwen3.5"])
+def triton_engines(request, checkpoint_dir):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engines = Engines(checkpoint_dir(request.param), max_seq_len=MAX_SEQ_LEN,
+                      engine_args={"backend": "triton", "device": device})
+    yield engines
+    engines.close()
+
+
+@settings(max_examples=TRITON_EXAMPLES)
+@given(workload=prefix_workloads(VOCAB, max_prompt=100, max_jobs=3, max_tokens=3))
+def test_triton_backend_chunked_and_reused_equals_cold_serial(triton_engines, workload):
+    jobs, max_batch_size, schedule = workload
+    assert mismatches(triton_engines, jobs, max_batch_size, schedule) == []
