@@ -3,12 +3,15 @@
 A request's tokens and logprobs are bitwise the same whatever else is in flight.
 """
 
+from .async_llm import AsyncLLM
 from .config import EngineArgs, ModelConfig
 from .llm import LLM, Capabilities
 from .models import write_checkpoint
 from .outputs import GenerationResult
 from .sampling import SamplingParams
+from .scheduler.batch_scheduler import QueueFullError, SwapSpaceError
+from .scheduler.stream import TokenDelta
 
-__all__ = ["LLM", "Capabilities", "EngineArgs", "GenerationResult", "ModelConfig", "SamplingParams",
-           "write_checkpoint"]
+__all__ = ["LLM", "AsyncLLM", "Capabilities", "EngineArgs", "GenerationResult", "ModelConfig", "QueueFullError",
+           "SamplingParams", "SwapSpaceError", "TokenDelta", "write_checkpoint"]
 __version__ = "0.1.0"

@@ -111,6 +111,21 @@ def _gib(nbytes: int) -> str:
 
 
 @dataclass(frozen=True)
+class SwappedSlot:
+    """A slot's contents in host memory (pinned on CUDA): K/V rows [0, length) of each attention
+    layer (None for other layers) and every recurrent state, copied bit for bit."""
+
+    length: int
+    kv: list[tuple[torch.Tensor, torch.Tensor] | None]
+    states: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [t for pair in self.kv if pair is not None for t in pair] + self.states
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True)
 class StateSnapshot:
     """Recurrent states of some slots, copied before a forward (see SlotCache.snapshot_states)."""
 
@@ -224,6 +239,34 @@ class SlotCache:
                 state[target].copy_(kept[length][i])
             else:
                 state[target].zero_()
+
+    def swap_bytes(self, length: int) -> int:
+        """Host bytes a slot with `length` positions takes once swapped out."""
+        rows = sum(t[0, 0].numel() * t.element_size() for t in self.k + self.v if t is not None)
+        return rows * length + self.prefix_state_bytes
+
+    def swap_out(self, slot: int, length: int) -> SwappedSlot:
+        """Copy slot `slot`'s first `length` positions and its states to host memory (the slot stays
+        allocated: free it once the copy is taken)."""
+        pin = self.device.type == "cuda"
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            copy = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            copy.copy_(t)
+            return copy
+
+        kv = [None if k is None or v is None else (host(k[slot, :length]), host(v[slot, :length]))
+              for k, v in zip(self.k, self.v)]
+        return SwappedSlot(length, kv, [host(s[slot]) for s in self._states()])
+
+    def swap_in(self, slot: int, swapped: SwappedSlot) -> None:
+        """Write a swapped-out slot's contents into allocated slot `slot`, bit for bit."""
+        for k, v, pair in zip(self.k, self.v, swapped.kv):
+            if k is not None and v is not None and pair is not None:
+                k[slot, :swapped.length].copy_(pair[0])
+                v[slot, :swapped.length].copy_(pair[1])
+        for state, copy in zip(self._states(), swapped.states):
+            state[slot].copy_(copy)
 
     @property
     def prefix_state_nbytes(self) -> int:

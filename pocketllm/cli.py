@@ -105,26 +105,43 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stderr gets the other form, where there is one, and the timings."""
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
-    llm = LLM(EngineArgs(model=args.model, dtype=args.dtype, device=args.device, max_seq_len=args.max_seq_len))
-    if args.prompt is not None:
+    options = {"enable_batching": True, "background_thread": False} if args.stream else None
+    llm = LLM(EngineArgs(model=args.model, dtype=args.dtype, device=args.device, max_seq_len=args.max_seq_len,
+                         backend_options=options))
+    if args.stream:
+        result = _print_stream(llm, args, params)
+    elif args.prompt is not None:
         result = llm.generate(prompts=args.prompt, sampling_params=params)
     else:
         result = llm.generate(prompt_tokens=args.prompt_tokens, sampling_params=params)
     token_ids = ",".join(str(t) for t in result.token_ids)
     if args.prompt is not None:
-        print(result.text)
+        if not args.stream:
+            print(result.text)
         print(f"token_ids={token_ids}", file=sys.stderr)
     else:
-        print(token_ids)
+        if not args.stream:
+            print(token_ids)
         if result.text is not None:
             print(f"text={result.text!r}", file=sys.stderr)
     ttft = "-" if result.ttft_s is None else f"{1000 * result.ttft_s:.1f}ms"
     print(f"finish_reason={result.finish_reason} seed={result.seed} ttft={ttft} "
-          f"total={1000 * result.total_time_s:.1f}ms cache={llm.capabilities.cache_bytes / 2**20:.1f}MiB",
+          f"total={1000 * (result.total_time_s or 0.0):.1f}ms cache={llm.capabilities.cache_bytes / 2**20:.1f}MiB",
           file=sys.stderr)
     if result.error is not None:
         print(f"pocketllm generate: error: {_one_line(result.error)}", file=sys.stderr)
     return 0 if result.finish_reason in ("stop", "length") else 1
+
+
+def _print_stream(llm: LLM, args: argparse.Namespace, params: SamplingParams) -> GenerationResult:
+    """Print each token as it is sampled (its text for --prompt, its id otherwise); the result."""
+    for item in llm.stream(args.prompt_tokens, params, prompt=args.prompt):
+        if isinstance(item, GenerationResult):
+            print(flush=True)
+            return item
+        piece = item.text if args.prompt is not None else f"{',' if item.index else ''}{item.token_id}"
+        print(piece, end="", flush=True)
+    raise AssertionError("a stream always ends with its result")
 
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
@@ -162,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--max-seq-len", type=int, default=4096)
+    gen.add_argument("--stream", action="store_true", help="print each token as it is sampled")
     gen.set_defaults(func=cmd_generate)
 
     make = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint in Hugging Face format")

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+import threading
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
 
@@ -22,12 +24,14 @@ from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import BatchScheduler, PrefillPolicy, Request, is_array, validate_prompt
 from .scheduler.policy import check_budget
+from .scheduler.stream import TextDeltas, TokenDelta
 from .tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # One SamplingParams for all prompts, or one per prompt; None: the defaults.
 ParamsArg = SamplingParams | Sequence[SamplingParams] | None
@@ -65,15 +69,11 @@ class LLM:
         self.policy = self._prefill_policy()
         check_budget(self.policy, args.max_batch_size, args.max_seq_len)
         self._check_memory()
-        backend = args.options.backend
-        ops = get_ops(args.backend, backend.batch_invariant, backend.decode_per_row, args.op_overrides)
-        self.model = build_model(args.model, self.model_config, ops, args.torch_dtype, self.device,
-                                 args.max_seq_len)
-        self.cache = SlotCache(args.max_batch_size, args.max_seq_len, self.model.cache_specs(), args.torch_dtype,
-                               self.device)
-        self.runner = ModelRunner(self.model, self.cache, self.device)
         self.invariance_report: ProbeReport | None = None
-        batch_invariant = self._check_invariance()
+        # With a scheduler thread, every forward runs there; building here would leave this
+        # thread an idle OpenMP team that slows that thread's (see BatchScheduler._drive).
+        engine_thread = engine.enable_batching and engine.background_thread
+        batch_invariant = _on_own_thread(self._build) if engine_thread else self._build()
         self.tokenizer: Tokenizer | None = load_tokenizer(args.model)
         self._ids = itertools.count()
         self.scheduler: BatchScheduler | None = None
@@ -81,11 +81,23 @@ class LLM:
             cfg = self.model_config
             self.scheduler = BatchScheduler(self.runner, self.cache, cfg.vocab_size, args.max_seq_len,
                                             cfg.eos_token_ids, engine.background_thread, engine.record_timeline,
-                                            request_ids=self._ids, policy=self.policy)
+                                            request_ids=self._ids, policy=self.policy, max_waiting=engine.max_waiting,
+                                            max_swap_bytes=engine.max_swap_bytes)
             weakref.finalize(self, self.scheduler.stop)
         self.capabilities = Capabilities(self.scheduler is not None, args.backend, args.max_batch_size,
                                          args.max_seq_len, batch_invariant, self.cache.nbytes,
                                          self._snapshot_bytes_per_slot())
+
+    def _build(self) -> bool:
+        """Model, cache and runner, then the invariance check; returns whether outputs are batch invariant."""
+        args, backend = self.args, self.args.options.backend
+        ops = get_ops(args.backend, backend.batch_invariant, backend.decode_per_row, args.op_overrides)
+        self.model = build_model(args.model, self.model_config, ops, args.torch_dtype, self.device,
+                                 args.max_seq_len)
+        self.cache = SlotCache(args.max_batch_size, args.max_seq_len, self.model.cache_specs(), args.torch_dtype,
+                               self.device)
+        self.runner = ModelRunner(self.model, self.cache, self.device)
+        return self._check_invariance()
 
     def _state_bytes(self) -> int:
         """Bytes of one slot's Gated DeltaNet states (0 for a model without them)."""
@@ -159,19 +171,22 @@ class LLM:
     # -- generation ------------------------------------------------------------------------
 
     @overload
-    def generate(self, prompt_tokens: Sequence[int], sampling_params: ParamsArg = None) -> GenerationResult: ...
+    def generate(self, prompt_tokens: Sequence[int], sampling_params: ParamsArg = None, *,
+                 priority: int = 0) -> GenerationResult: ...
     @overload
     def generate(self, prompt_tokens: Sequence[Sequence[int]],
-                 sampling_params: ParamsArg = None) -> list[GenerationResult]: ...
+                 sampling_params: ParamsArg = None, *, priority: int = 0) -> list[GenerationResult]: ...
     @overload
     def generate(self, prompt_tokens: None = None,  # type: ignore[overload-overlap]  # a str is a Sequence[str] too
-                 sampling_params: ParamsArg = None, *, prompts: str) -> GenerationResult: ...
+                 sampling_params: ParamsArg = None, *, prompts: str, priority: int = 0) -> GenerationResult: ...
     @overload
     def generate(self, prompt_tokens: None = None,
-                 sampling_params: ParamsArg = None, *, prompts: Sequence[str]) -> list[GenerationResult]: ...
+                 sampling_params: ParamsArg = None, *, prompts: Sequence[str],
+                 priority: int = 0) -> list[GenerationResult]: ...
     def generate(self, prompt_tokens: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  sampling_params: ParamsArg = None, *,
-                 prompts: str | Sequence[str] | None = None) -> GenerationResult | list[GenerationResult]:
+                 prompts: str | Sequence[str] | None = None,
+                 priority: int = 0) -> GenerationResult | list[GenerationResult]:
         """One prompt -> one result; a list of prompts -> a list of results.
 
         A prompt is token ids (`prompt_tokens`: a list of ints, or a 1-D integer numpy array or torch
@@ -180,6 +195,8 @@ class LLM:
         the model has a tokenizer, each result's `text` is its token_ids decoded.
         `sampling_params` is one SamplingParams for all prompts or a list, one per prompt. Every
         prompt is validated before any is run, so a bad one raises without side effects.
+        `priority` (batched mode): lower runs first and may preempt running requests of a higher
+        value (see BatchScheduler.submit_request); the serial path runs prompts in order.
         """
         if prompts is not None:
             if prompt_tokens is not None:
@@ -198,7 +215,7 @@ class LLM:
         params_list = _params_list(sampling_params, len(token_prompts))
         if self.scheduler is not None:
             # Stepped on this thread, not the scheduler's (see BatchScheduler.generate).
-            results = self.scheduler.generate(self._validated(token_prompts, params_list))
+            results = self.scheduler.generate(self._validated(token_prompts, params_list), priority)
         else:
             results = [self._run_serial(self.make_request(p, sp))
                        for p, sp in self._validated(token_prompts, params_list)]
@@ -206,6 +223,45 @@ class LLM:
             for result in results:
                 result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return results[0] if single else results
+
+    def stream(self, prompt_tokens: Sequence[int] | None = None, sampling_params: SamplingParams | None = None, *,
+               prompt: str | None = None, priority: int = 0) -> Iterator[TokenDelta | GenerationResult]:
+        """One prompt's tokens as they are sampled, then its result (batched mode; see
+        BatchScheduler.stream). With a tokenizer each delta carries the text it adds: bytes of a
+        character split across tokens are held until it is complete, and the texts concatenate
+        to the result's text. Leaving the loop early cancels the request."""
+        if self.scheduler is None:
+            raise RuntimeError("stream() needs the batch scheduler: backend_options={'enable_batching': True}")
+        tokens, params = self.prepare(prompt_tokens, sampling_params, prompt)
+        texts = self.text_deltas()
+        for item in self.scheduler.stream(self.scheduler.submit_request(tokens, params, priority=priority)):
+            yield self.with_text(item, texts)
+
+    def prepare(self, prompt_tokens: Sequence[int] | None, sampling_params: SamplingParams | None,
+                prompt: str | None = None) -> tuple[list[int], SamplingParams]:
+        """One prompt (token ids or text, not both) and its params, checked: what a submit takes."""
+        if (prompt is None) == (prompt_tokens is None):
+            raise TypeError("pass one prompt: prompt_tokens (token ids) or prompt (text)")
+        tokens = self._encode([prompt])[0] if prompt is not None else prompt_tokens
+        (checked, params), = self._validated([tokens], [sampling_params if sampling_params is not None
+                                                         else SamplingParams()])
+        return checked, params
+
+    def text_deltas(self) -> TextDeltas | None:
+        """A detokenizer for one stream, or None when the model has no tokenizer."""
+        tokenizer = self.tokenizer
+        return None if tokenizer is None else TextDeltas(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+
+    def with_text(self, item: TokenDelta | GenerationResult,
+                  texts: TextDeltas | None) -> TokenDelta | GenerationResult:
+        """A stream item with its text: the piece a token adds (the last token also what an
+        incomplete character held back), or the result's whole text."""
+        if texts is None or self.tokenizer is None:
+            return item
+        if isinstance(item, GenerationResult):
+            item.text = self.tokenizer.decode(item.token_ids, skip_special_tokens=True)
+            return item
+        return dataclasses.replace(item, text=texts.add(item.token_id) + (texts.flush() if item.last else ""))
 
     def _encode(self, prompts: Sequence[str]) -> list[list[int]]:
         """Check text prompts, then encode them; loading the tokenizer here raises the reason
@@ -241,6 +297,25 @@ class LLM:
         finally:  # a failed forward may have written the slot: then it claims no contents
             self.cache.free(request.slot, [] if request.finish_reason == "error" else request.held_tokens())
         return request.result()
+
+
+def _on_own_thread(fn: Callable[[], T]) -> T:
+    """fn() on a short-lived thread (its OpenMP team ends with it); its exception is raised here."""
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as exc:  # handed to the caller, whatever it is
+            box.append((False, exc))
+
+    thread = threading.Thread(target=run, name="pocketllm-build")
+    thread.start()
+    thread.join()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _params_list(sampling_params: Any, count: int) -> list[SamplingParams]:

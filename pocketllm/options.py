@@ -34,6 +34,10 @@ class EngineOptions:
                                                 "max_batch_size - 1", 1, 1 << 24)
     prefill_chunk_size: int = _option(512, "prompts are cut into pieces at multiples of this many tokens, "
                                            "request-local (0: not cut)", 0, 1 << 20, 64)
+    max_waiting: int = _option(0, "batched mode: a submission beyond this many waiting requests raises "
+                                  "QueueFullError (or waits for room, as the caller asks); 0: no limit", 0, 1 << 31)
+    max_swap_bytes: int = _option(0, "batched mode: host memory preempted (swapped-out) requests may hold; a "
+                                     "preemption that would exceed it does not happen; 0: no limit", 0, 1 << 62)
     enable_prefix_reuse: bool = _option(True, "batched mode: a prompt reuses the prefix a cache slot holds "
                                               "(bitwise as a cold run)")
     state_snapshot_interval: int = _option(512, "prompts are also cut at multiples of this, the positions a prefix "

@@ -202,7 +202,7 @@ def plot(models: list[dict[str, Any]]):
             times = sorted({t for t, _ in r["itl_trace"]})
             gaps = np.diff(times)
             label = f"{m['preset']} chunking {'on' if r['chunked'] else 'off'}"
-            right.plot(times[1:], gaps, marker=".", label=label)
+            right.plot(times[1:], gaps, marker=".", drawstyle="steps-pre", label=label)  # a gap spans its interval
     right.set_xlabel("seconds since the long prompt arrived")
     right.set_ylabel("gap between decode steps of the short requests (s)")
     right.set_title("a long prompt arrives while short requests decode")

@@ -37,6 +37,8 @@ class Job:
     params: SamplingParams
     arrival_step: int
     cancel_step: int | None  # steps after arrival; None: never cancelled
+    priority: int = 0
+    preempt_steps: tuple[int, ...] = ()  # steps after arrival at which it is swapped out if running
 
 
 def sampling_params(max_tokens: int = 24) -> st.SearchStrategy:
@@ -75,6 +77,18 @@ def schedules() -> st.SearchStrategy:
     """Chunk sizes (0: uncut), snapshot intervals, budgets from the tightest allowed up, reuse on or off."""
     return st.builds(Schedule, chunk_size=st.sampled_from([0, 64, 128]), snapshot_interval=st.sampled_from([64, 128]),
                      budget_slack=st.sampled_from([0, 1, 7, 300]), prefix_reuse=st.sampled_from([True, True, False]))
+
+
+def preemption_workloads(vocab: int, max_prompt: int = 150, max_jobs: int = 8,
+                         max_tokens: int = 16) -> st.SearchStrategy:
+    """(jobs, max_batch_size, schedule): priorities 0..2 (so later, more urgent requests swap
+    running ones out when the slots are full) and forced swap-outs at random steps, several per
+    request; prompts long enough to be preempted between prefill pieces too."""
+    job = st.builds(Job, prompt=st.lists(st.integers(0, vocab - 1), min_size=1, max_size=max_prompt).map(tuple),
+                    params=sampling_params(max_tokens), arrival_step=st.integers(0, 10),
+                    cancel_step=st.none() | st.integers(0, 12), priority=st.integers(0, 2),
+                    preempt_steps=st.lists(st.integers(0, 14), max_size=3).map(tuple))
+    return st.tuples(st.lists(job, min_size=1, max_size=max_jobs), st.integers(1, 4), schedules())
 
 
 def prefix_workloads(vocab: int, max_prompt: int = 200, max_jobs: int = 8, max_tokens: int = 12) -> st.SearchStrategy:
@@ -164,9 +178,11 @@ def run_batched(engines: Engines, workload: list[Job], max_batch_size: int,
     while len(ids) < len(workload) or scheduler.has_work:
         for index, job in enumerate(workload):
             if job.arrival_step == step:
-                ids[index] = scheduler.submit_request(list(job.prompt), job.params)
+                ids[index] = scheduler.submit_request(list(job.prompt), job.params, priority=job.priority)
             if index in ids and job.cancel_step is not None and job.arrival_step + job.cancel_step == step:
                 scheduler.cancel_request(ids[index])
+            if index in ids and step - job.arrival_step in job.preempt_steps:
+                scheduler.preempt(ids[index])
         scheduler.step()
         step += 1
     results = {index: scheduler.poll_result(request_id) for index, request_id in ids.items()}

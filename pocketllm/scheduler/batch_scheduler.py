@@ -5,11 +5,11 @@ thread, and one loop iteration, `step()`:
 
     admit_requests -> schedule decode rows + prefill pieces -> one forward -> handle_completions
 
-A background thread calls `step()` while there is work and nobody else does, and sleeps on a
-condition variable otherwise: `generate()` and a poll that waits without a timeout step the loop on
-their own thread, which is faster on the CPU (see `_drive`). Without the thread, the caller drives
-`step()` (deterministic tests). The forward passes run outside the lock, so submit, cancel and a
-poll with a timeout never wait for the model.
+With the background thread, it alone calls `step()` while there is work, and sleeps on a
+condition variable otherwise: every forward runs on that one thread (see `_drive` for why that
+matters on the CPU). Without it, the callers step the loop: `generate()`, `stream()` and a poll
+that waits without a timeout do (deterministic tests step by hand). The forward passes run outside
+the lock, so submit, cancel and a poll with a timeout never wait for the model.
 
 A step runs one forward within a token budget (`PrefillPolicy.max_num_batched_tokens`): a decode
 row for every running request that has sampled, then prefill pieces, first come first served, of
@@ -27,6 +27,7 @@ with "error". Every counter and the timeline change under `_lock`.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
 import logging
@@ -45,11 +46,13 @@ from .policy import PrefillPolicy, check_budget
 from .prefix_cache import Placement, PrefixCache
 from .request import Request, RequestStatus, validate_prompt
 from .stats import SchedulerStats
+from .stream import TokenDelta
 from .timeline import SlotEvent
 
 logger = logging.getLogger(__name__)
 
 Callback = Callable[[GenerationResult], None]
+TokenCallback = Callable[[TokenDelta], None]
 LATENCY_WINDOW = 100_000  # requests whose TTFT and total time the latency statistics cover
 # (token, logprob) sampled for a request whose forward succeeded (None: a piece inside its prompt),
 # else the exception that ended it.
@@ -58,10 +61,21 @@ Outcome = tuple[int, float] | None | BaseException
 Span = tuple[Request, SequenceInput, float, float]
 
 
+class QueueFullError(RuntimeError):
+    """submit_request found `max_waiting` requests waiting (and waited as long as it was told to)."""
+
+
+class SwapSpaceError(RuntimeError):
+    """A preemption would hold more than `max_swap_bytes` of swapped-out slots in host memory."""
+
+
 class BatchScheduler:
     def __init__(self, runner: ModelRunner, cache: SlotCache, vocab_size: int, max_seq_len: int,
                  eos_token_ids: tuple[int, ...] = (), background_thread: bool = True, record_timeline: bool = False,
-                 request_ids: Iterator[int] | None = None, policy: PrefillPolicy | None = None) -> None:
+                 request_ids: Iterator[int] | None = None, policy: PrefillPolicy | None = None,
+                 max_waiting: int = 0, max_swap_bytes: int = 0) -> None:
+        """`max_waiting`: submissions refused (or made to wait) beyond this many waiting requests;
+        `max_swap_bytes`: host memory preempted requests may hold. 0: no limit, for both."""
         self.runner = runner
         self.cache = cache
         self.policy = policy if policy is not None else PrefillPolicy()
@@ -74,14 +88,20 @@ class BatchScheduler:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the loop waits here for requests
         self._done = threading.Condition(self._lock)  # pollers wait here for results
+        self._room = threading.Condition(self._lock)  # submitters wait here for room in the queue
         self._step_lock = threading.Lock()  # one step at a time, whoever calls it
-        self._waiting: collections.deque[Request] = collections.deque()
+        self.max_waiting = max_waiting
+        self.max_swap_bytes = max_swap_bytes
+        self._waiting: list[Request] = []  # in scheduling order (Request.order)
         self._running: list[Request] = []
         self._requests: dict[int, Request] = {}  # submitted, result not yet collected
         self._callbacks: dict[int, Callback] = {}
+        self._token_callbacks: dict[int, TokenCallback] = {}
+        self._deltas: list[TokenDelta] = []  # sampled this step, for the token callbacks
+        self._swap_held = 0  # bytes of swapped-out slots in host memory
         self._stepping = False
         self._stopped = False
-        self._drivers = 0  # callers stepping the loop themselves (see run_until_finished)
+        self._draining = False  # stop(drain=True) is letting the last requests finish
         self._counts: collections.Counter[str] = collections.Counter()
         # Latencies of the most recent requests only, so that a long-running engine's memory stays bounded.
         self._ttfts: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
@@ -98,23 +118,64 @@ class BatchScheduler:
     # -- public API (any thread) ---------------------------------------------------------------
 
     def submit_request(self, prompt_tokens: Sequence[int], sampling: SamplingParams | None = None,
-                       callback: Callback | None = None) -> int:
-        """Queue a request; returns its id. Bad input raises TypeError/ValueError and queues nothing."""
+                       callback: Callback | None = None, priority: int = 0, on_token: TokenCallback | None = None,
+                       wait_ms: float | None = 0) -> int:
+        """Queue a request; returns its id. Bad input raises TypeError/ValueError and queues nothing.
+
+        `priority`: lower runs first, first come first served among equals; a waiting request
+        preempts a running one of a higher value when no slot is free. `callback(result)` runs once
+        the request has ended, `on_token(delta)` after each token, both on the thread that ran the
+        step, outside the scheduler's lock. With `max_waiting` requests waiting, a submission
+        raises QueueFullError at once (`wait_ms=0`), after waiting up to `wait_ms` for room, or
+        waits as long as it takes (None)."""
         sampling = sampling if sampling is not None else SamplingParams()
         prompt = validate_prompt(prompt_tokens, sampling, self.vocab_size, self.max_seq_len)
-        if callback is not None and not callable(callback):
-            raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
+        for name, fn in (("callback", callback), ("on_token", on_token)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -2**31 <= priority < 2**31:
+            raise ValueError(f"priority must be an int in [-2**31, 2**31), got {priority!r}")
+        deadline = _deadline(wait_ms)
         with self._lock:
-            if self._stopped:
-                raise RuntimeError("scheduler is stopped; no new requests are accepted")
-            request = Request(next(self._ids), prompt, sampling, sampling.resolved_seed(), self.eos_token_ids)
+            while True:
+                if self._stopped or self._draining:
+                    raise RuntimeError("scheduler is stopped; no new requests are accepted")
+                if not self.max_waiting or len(self._waiting) < self.max_waiting:
+                    break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise QueueFullError(f"{len(self._waiting)} requests are waiting, the most max_waiting="
+                                         f"{self.max_waiting} allows; retry later or pass wait_ms to wait for room")
+                self._room.wait(None if remaining is None else min(remaining, threading.TIMEOUT_MAX))
+            request = Request(next(self._ids), prompt, sampling, sampling.resolved_seed(), self.eos_token_ids,
+                              priority=priority)
             self._requests[request.request_id] = request
             if callback is not None:
                 self._callbacks[request.request_id] = callback
-            self._waiting.append(request)
+            if on_token is not None:
+                self._token_callbacks[request.request_id] = on_token
+            bisect.insort(self._waiting, request, key=lambda r: r.order)
             self._counts["prompt_tokens"] += len(prompt)
             self._work.notify()
         return request.request_id
+
+    def preempt(self, request_id: int) -> bool:
+        """Swap a running request out at the start of the next step: its slot's K/V and states go
+        to host memory bit for bit and the slot is freed; it waits again (in its priority order)
+        and is swapped back into a free slot later, then continues as if never interrupted. False
+        if it is not running (or already ending); SwapSpaceError when `max_swap_bytes` would be
+        exceeded."""
+        with self._lock:
+            request = self._requests.get(request_id)
+            if (request is None or request.status is not RequestStatus.RUNNING or request.finished
+                    or request.cancel_requested or request.preempt_requested):
+                return False
+            needed = self._swap_held + self.cache.swap_bytes(request.num_cached + 1)
+            if self.max_swap_bytes and needed > self.max_swap_bytes:
+                raise SwapSpaceError(f"swapping request {request_id} out would hold {needed} bytes of host memory, "
+                                     f"over max_swap_bytes={self.max_swap_bytes}")
+            request.preempt_requested = True
+            return True
 
     def cancel_request(self, request_id: int) -> bool:
         """Cancel a waiting or running request; False if it is unknown or already finished.
@@ -128,6 +189,7 @@ class BatchScheduler:
                 self._waiting.remove(request)
                 finished = [self._cancel_waiting(request)]
                 self._done.notify_all()
+                self._room.notify_all()
             else:
                 finished = [] if self._stepping else self._handle_completions()
         self._fire_callbacks(finished)
@@ -144,7 +206,7 @@ class BatchScheduler:
         ValueError for a negative or NaN timeout."""
         deadline = _deadline(timeout_ms)
         if deadline is None:  # a caller that waits as long as it takes does the work itself
-            self._drive([request_id])  # returns at once for an unknown id: the KeyError comes below
+            self._drive(lambda: self._ended(request_id))  # returns at once for an unknown id: KeyError below
         with self._lock:
             while True:
                 request = self._requests.get(request_id)
@@ -169,13 +231,23 @@ class BatchScheduler:
                 callback_errors=c["callback_errors"], busy_time_s=self._busy_time, cache_bytes=self.cache.nbytes,
                 prefill_chunks=c["prefill_chunks"], mixed_steps=c["mixed_steps"], prefix_hits=c["prefix_hits"],
                 prefix_copies=c["prefix_copies"], prefix_tokens_reused=c["prefix_tokens_reused"],
-                state_snapshot_bytes=self.cache.prefix_state_nbytes)
+                state_snapshot_bytes=self.cache.prefix_state_nbytes, preemptions=c["preemptions"],
+                swapped_out=sum(r.swapped is not None for r in self._waiting), swap_bytes_held=self._swap_held,
+                swapped_bytes=c["swapped_bytes"],
+                uncollected=sum(r.finished and r.slot is None for r in self._requests.values()))
 
-    def stop(self) -> None:
-        """Stop the loop: every request not yet finished ends as "cancelled", the thread is joined."""
+    def stop(self, drain: bool = False) -> None:
+        """Stop the loop, the thread joined. drain=False: every request not yet finished ends
+        "cancelled"; drain=True: new submissions are refused at once, and the requests already
+        submitted run to their end first (stepped on this thread)."""
+        if drain:
+            with self._lock:
+                self._draining = True
+            self._drive(lambda: not (self._waiting or self._running))
         with self._lock:
             self._stopped = True
             self._work.notify_all()
+            self._room.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         with self._step_lock, self._lock:
@@ -187,38 +259,71 @@ class BatchScheduler:
             self._done.notify_all()
         self._fire_callbacks(finished)
 
-    def generate(self, requests: Sequence[tuple[Sequence[int], SamplingParams]]) -> list[GenerationResult]:
+    def generate(self, requests: Sequence[tuple[Sequence[int], SamplingParams]],
+                 priority: int = 0) -> list[GenerationResult]:
         """Submit (prompt, params) pairs and step the loop on the calling thread until they are
         done (see `_drive`); other submitters' requests share the steps."""
-        ids = [self.submit_request(prompt, params) for prompt, params in requests]
-        self._drive(ids)
+        ids = [self.submit_request(prompt, params, priority=priority) for prompt, params in requests]
+        self._drive(lambda: all(self._ended(i) for i in ids))
         # Every one has finished, so none of these polls comes back empty.
         return cast("list[GenerationResult]", [self.poll_result(i) for i in ids])
 
-    def _drive(self, ids: list[int]) -> None:
-        """Step the loop on the calling thread until every request in `ids` has finished (or was
-        collected by another poller); the background thread sleeps meanwhile.
-
-        Why a caller that would only wait does the work: torch's CPU build runs on GNU OpenMP, whose
-        worker threads spin between parallel regions only while no more OpenMP threads exist than
-        CPUs. The caller's thread already has a team (it loaded the model), so a second thread
-        running torch ops makes both teams wait on futexes between regions: measured 1.5x slower
-        per token on 2 cores than the same steps on the caller's thread."""
+    def stream(self, request_id: int) -> Iterator[TokenDelta | GenerationResult]:
+        """The request's tokens as they are sampled (TokenDelta each, in order, none skipped), then
+        its GenerationResult (collected: the id is unknown afterwards). Steps the loop on the
+        calling thread while it waits (see `_drive`). Leaving the iteration early cancels the
+        request. KeyError for an unknown or collected id."""
         with self._lock:
-            self._drivers += 1
+            if request_id not in self._requests:
+                raise KeyError(f"request id {request_id} is unknown or its result was already collected")
+        sent = 0
         try:
             while True:
                 with self._lock:
-                    if all((r := self._requests.get(i)) is None or (r.finished and r.slot is None) for i in ids):
-                        return
-                    if self._stopped:  # stop() ends every request; wait for it rather than step
-                        self._done.wait()
-                        continue
-                self.step()
+                    request = self._requests[request_id]
+                    tokens, logprobs = request.token_ids[sent:], request.logprobs[sent:]
+                    finished, ended = request.finished, self._ended(request_id)
+                for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
+                    yield TokenDelta(request_id, sent, token, logprob, last=finished and i == len(tokens) - 1)
+                    sent += 1
+                if ended:
+                    yield self.poll_result(request_id, timeout_ms=None)
+                    return
+                self._drive(self._progressed(request, sent))
         finally:
             with self._lock:
-                self._drivers -= 1
-                self._work.notify()
+                left = request_id in self._requests
+            if left:  # left early: end it and collect what it did
+                self.cancel_request(request_id)
+                self.poll_result(request_id, timeout_ms=None)
+
+    def _progressed(self, request: Request, seen: int) -> Callable[[], bool]:
+        """A `_drive` condition: the request has more than `seen` tokens, or has ended."""
+        return lambda: self._ended(request.request_id) or len(request.token_ids) > seen
+
+    def _ended(self, request_id: int) -> bool:
+        """The request has finished and left its slot (or is unknown). Lock held."""
+        request = self._requests.get(request_id)
+        return request is None or (request.finished and request.slot is None)
+
+    def _drive(self, done: Callable[[], bool]) -> None:
+        """Return once `done()` (called with the lock held) holds: with the background thread,
+        wait for it; without, step the loop on the calling thread.
+
+        Why one thread runs every forward: torch's CPU build runs on GNU OpenMP, whose worker
+        threads spin between parallel regions only while no more OpenMP threads exist than CPUs.
+        Every thread that runs torch ops keeps a team of its own, so a second such thread, even
+        idle, makes the working team sleep on futexes between regions: measured 1.5x slower per
+        token on 2 cores. So with a background thread the engine builds the model on a thread
+        that then exits (`LLM`), and the background thread does all the math."""
+        while True:
+            with self._lock:
+                if done():
+                    return
+                if self._stopped or self._thread is not None:  # stop() ends every request, or the thread steps
+                    self._done.wait()
+                    continue
+            self.step()
 
     def configure(self, policy: PrefillPolicy) -> None:
         """Run on another prefill policy (budget, cuts, reuse) from now on; only while idle, with
@@ -262,13 +367,16 @@ class BatchScheduler:
                     if work:
                         self._busy_time += time.perf_counter() - start
                     finished = self._handle_completions()
+                    deltas, self._deltas = self._deltas, []
+                    self._done.notify_all()  # streams wait for tokens as pollers wait for results
+        self._fire_token_callbacks(deltas)
         self._fire_callbacks(finished)
         return bool(work)
 
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stopped and (self._drivers or not (self._waiting or self._running)):
+                while not self._stopped and not (self._waiting or self._running):
                     self._work.wait()
                 if self._stopped:
                     return
@@ -278,10 +386,12 @@ class BatchScheduler:
                 logger.exception("scheduler step failed")
 
     def _schedule(self) -> list[tuple[Request, SequenceInput]]:
-        """This step's work within the token budget: a decode row for every running request that
-        has sampled, then prefill pieces first come first served (running requests before waiting
-        ones); the first piece that does not fit ends the step's prefill. Lock held."""
-        live = [r for r in self._running if not r.finished and not r.cancel_requested]
+        """This step's work within the token budget: swap out what must make room, then a decode
+        row for every running request that has sampled, then prefill pieces in scheduling order
+        (running requests before waiting ones); the first piece that does not fit ends the step's
+        prefill. Lock held."""
+        self._preempt()
+        live = sorted((r for r in self._running if not r.finished and not r.cancel_requested), key=lambda r: r.order)
         work = [(r, r.decode_input()) for r in live if r.token_ids]
         budget = self.policy.max_num_batched_tokens - len(work)
         for request in live:
@@ -293,14 +403,71 @@ class BatchScheduler:
                 work.append((request, piece))
         while self._waiting and self.cache.num_free > 0:
             request = self._waiting[0]
-            placement = self.prefixes.place(request.prompt_tokens)
-            if self.policy.piece_end(placement.reused, len(request.prompt_tokens)) - placement.reused > budget:
-                break
-            self._admit(self._waiting.popleft(), placement)
-            piece = request.prefill_input(self.policy)
-            budget -= len(piece.token_ids)
-            work.append((request, piece))
+            if request.swapped is not None:
+                if request.swapped_step == self._counts["steps"]:  # swapped out this very step: not back yet
+                    break
+                cost = 1 if request.token_ids else len(request.prefill_input(self.policy).token_ids)
+                if cost > budget:
+                    break
+                self._swap_in(self._waiting.pop(0))
+            else:
+                placement = self.prefixes.place(request.prompt_tokens)
+                if self.policy.piece_end(placement.reused, len(request.prompt_tokens)) - placement.reused > budget:
+                    break
+                self._admit(self._waiting.pop(0), placement)
+            item = request.decode_input() if request.token_ids else request.prefill_input(self.policy)
+            budget -= len(item.token_ids)
+            work.append((request, item))
+            self._room.notify_all()
         return work
+
+    def _preempt(self) -> None:
+        """Swap out the running requests preempt() asked for, then, while the first waiting request
+        outranks a running one and no slot is free, the lowest-ranked running request (the latest
+        among equal priorities), as far as max_swap_bytes allows. Lock held."""
+        for request in [r for r in self._running if r.preempt_requested]:
+            if not request.finished and not request.cancel_requested and self._swap_fits(request):
+                self._swap_out(request)
+            else:
+                request.preempt_requested = False
+        while self._waiting and self.cache.num_free == 0:
+            live = [r for r in self._running if not r.finished and not r.cancel_requested]
+            victim = max(live, key=lambda r: r.order, default=None)
+            if victim is None or victim.priority <= self._waiting[0].priority or not self._swap_fits(victim):
+                return
+            self._swap_out(victim)
+
+    def _swap_fits(self, request: Request) -> bool:
+        needed = self._swap_held + self.cache.swap_bytes(request.num_cached)
+        return not self.max_swap_bytes or needed <= self.max_swap_bytes
+
+    def _swap_out(self, request: Request) -> None:
+        """Copy a running request's slot to host memory, free the slot (its contents stay reusable)
+        and queue the request again. Lock held."""
+        slot = request.assigned_slot
+        request.swapped = self.cache.swap_out(slot, request.num_cached)
+        self.cache.free(slot, request.held_tokens())
+        request.slot, request.status = None, RequestStatus.WAITING
+        request.preempt_requested, request.swapped_step = False, self._counts["steps"]
+        self._running.remove(request)
+        bisect.insort(self._waiting, request, key=lambda r: r.order)
+        self._swap_held += request.swapped.nbytes
+        self._counts["preemptions"] += 1
+        self._counts["swapped_bytes"] += request.swapped.nbytes
+
+    def _swap_in(self, request: Request) -> None:
+        """Bring a swapped-out request back into a free slot, bit for bit. Lock held."""
+        assert request.swapped is not None
+        request.slot = self.prefixes.take_for_swap_in()
+        self.cache.swap_in(request.slot, request.swapped)
+        self._release_swap(request)
+        request.status = RequestStatus.RUNNING
+        self._running.append(request)
+
+    def _release_swap(self, request: Request) -> None:
+        if request.swapped is not None:
+            self._swap_held -= request.swapped.nbytes
+            request.swapped = None
 
     def _admit(self, request: Request, placement: Placement) -> None:
         """Give a waiting request its slot, with the prefix it reuses in place. Lock held."""
@@ -339,6 +506,9 @@ class BatchScheduler:
                         request.finish("error", f"{type(outcome).__name__}: {outcome}")
                         continue
                     request.advance(seq, outcome)
+                    if outcome is not None and request.request_id in self._token_callbacks:
+                        self._deltas.append(TokenDelta(request.request_id, len(request.token_ids) - 1, *outcome,
+                                                       last=request.finished))
                     if not seq.decode:
                         self.prefixes.prefilled(request.assigned_slot, request.prompt_tokens, request.num_prefilled)
 
@@ -400,7 +570,9 @@ class BatchScheduler:
         return finished
 
     def _cancel_waiting(self, request: Request) -> Request:
-        """End a request that never got a slot. Lock held; the caller unqueues it."""
+        """End a request that has no slot (never admitted, or swapped out). Lock held; the caller
+        unqueues it."""
+        self._release_swap(request)
         request.finish("cancelled")
         self._record(request)
         return request
@@ -417,12 +589,28 @@ class BatchScheduler:
         assert result.total_time_s is not None  # a finished request has its finish time
         self._totals.append(result.total_time_s)
 
+    def _fire_token_callbacks(self, deltas: list[TokenDelta]) -> None:
+        """Run on_token callbacks outside the lock, in the order the tokens were sampled; one that
+        raises is logged and counted, as a result callback is."""
+        for delta in deltas:
+            with self._lock:
+                callback = self._token_callbacks.get(delta.request_id)
+            if callback is None:
+                continue
+            try:
+                callback(delta)
+            except BaseException:
+                logger.exception("on_token callback for request %d raised", delta.request_id)
+                with self._lock:
+                    self._counts["callback_errors"] += 1
+
     def _fire_callbacks(self, finished: list[Request]) -> None:
         """Run callbacks outside the lock; one that raises anything (SystemExit and KeyboardInterrupt
         included: a callback must not end the scheduler) is logged and counted, nothing more."""
         for request in finished:
             with self._lock:
                 callback = self._callbacks.pop(request.request_id, None)
+                self._token_callbacks.pop(request.request_id, None)
             if callback is None:
                 continue
             try:

@@ -36,6 +36,9 @@ class PrefixCache:
         self.cache = cache
         self.policy = policy
         self.index = PrefixIndex(cache.num_slots, policy.reuse_grid or 1)  # grid 0: nothing is reused
+        # Slots whose contents were swapped in: they hold no state copies, so they are not donors
+        # until another request takes them.
+        self._unindexed: set[int] = set()
 
     def place(self, prompt: Sequence[int]) -> Placement:
         """The best free slot for `prompt`, and the prefix it can reuse. A free slot must exist."""
@@ -63,11 +66,21 @@ class PrefixCache:
             self.cache.allocate(slot, keep=reused)
         self.index.truncate(slot, 0)
         self.index.extend(slot, prompt, reused)
+        self._unindexed.discard(slot)
+        return slot
+
+    def take_for_swap_in(self) -> int:
+        """The least recently used free slot, for a swapped-out request's contents."""
+        slot = self.cache.allocate()
+        self.index.truncate(slot, 0)
+        self._unindexed.add(slot)
         return slot
 
     def prefilled(self, slot: int, prompt: Sequence[int], length: int) -> None:
         """The slot now holds prompt[:length], prefilled: keep its states there when `length` is on
         the snapshot grid, and index it."""
+        if slot in self._unindexed:
+            return
         interval = self.policy.snapshot_interval
         if interval and length % interval == 0:
             self.cache.save_prefix_state(slot, length)

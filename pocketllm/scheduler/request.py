@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..cache import SwappedSlot
 from ..outputs import FinishReason, GenerationResult
 from ..runner import SequenceInput
 from ..sampling import SamplingParams
@@ -95,6 +96,15 @@ class Request:
     cancel_requested: bool = False
     num_prefilled: int = 0  # prompt tokens in the slot (reused or prefilled)
     reused: int = 0  # prompt tokens taken from a slot's contents instead of prefilled
+    priority: int = 0  # lower runs first
+    swapped: SwappedSlot | None = None  # its slot's contents while preempted
+    swapped_step: int = -1  # the step that last swapped it out
+    preempt_requested: bool = False
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Scheduling order: priority, then arrival (ids grow with submission)."""
+        return self.priority, self.request_id
 
     @property
     def num_cached(self) -> int:

@@ -39,6 +39,11 @@ class SchedulerStats:
     prefix_copies: int  # ... of which copied it from a busy slot
     prefix_tokens_reused: int  # prompt tokens not prefilled thanks to reuse
     state_snapshot_bytes: int  # Gated DeltaNet state copies held now, for prefix reuse
+    preemptions: int  # requests swapped out (a request swapped out twice counts twice)
+    swapped_out: int  # requests swapped out now, waiting to come back
+    swap_bytes_held: int  # host memory their slots take now
+    swapped_bytes: int  # bytes copied out by every preemption so far
+    uncollected: int  # ended requests whose result nobody has polled yet
     ttft_mean_s: float
     ttft_p50_s: float
     ttft_p99_s: float

@@ -16,7 +16,8 @@ def test_none_and_empty_mean_defaults():
     assert args.options == Options(EngineOptions(), BackendOptions())
     assert args.backend_options == {"enable_batching": False, "max_batch_size": 8, "background_thread": True,
                                     "record_timeline": False, "max_num_batched_tokens": 2048,
-                                    "prefill_chunk_size": 512, "enable_prefix_reuse": True,
+                                    "prefill_chunk_size": 512, "max_waiting": 0, "max_swap_bytes": 0,
+                                    "enable_prefix_reuse": True,
                                     "state_snapshot_interval": 512, "batch_invariant": True,
                                     "invariance_probe": True, "decode_per_row": False}
 

@@ -1,6 +1,7 @@
-"""The background thread and a caller that drives generate() itself: while the caller steps, the
-thread sleeps (every forward of that call runs on the calling thread); once the caller is done,
-the thread serves submissions again; a step that raises is logged and does not kill the thread."""
+"""The background thread does all the math: with it, every forward runs on that one thread, also
+for generate(), stream() and a poll that waits, from any number of callers (a second thread
+running torch ops slows the first on the CPU); the model is built off the caller's thread; a
+step that raises is logged and does not kill the thread."""
 
 from __future__ import annotations
 
@@ -25,22 +26,37 @@ def _record_threads(llm, monkeypatch) -> list[str]:
     return names
 
 
-def test_generate_steps_on_the_caller_then_the_thread_serves_again(make_llm, monkeypatch):
+def test_every_forward_runs_on_the_scheduler_thread(make_llm, monkeypatch):
     llm = make_llm(background=True)
     names = _record_threads(llm, monkeypatch)
     params = SamplingParams(max_tokens=3, temperature=0)
-    results = llm.generate(prompt_tokens=[[1, 2, 3], [4, 5]], sampling_params=params)
-    assert [r.finish_reason for r in results] == ["length", "length"]
-    assert names and set(names) == {threading.current_thread().name}
-    names.clear()
-    for _ in range(2):  # twice: the driver count must be back to zero after each call
+    for _ in range(2):
+        results = llm.generate(prompt_tokens=[[1, 2, 3], [4, 5]], sampling_params=params)
+        assert [r.finish_reason for r in results] == ["length", "length"]
         rid = llm.scheduler.submit_request([6, 7], params)
-        assert llm.scheduler.poll_result(rid, timeout_ms=10_000).finish_reason == "length"
-        assert set(names) == {THREAD_NAME}
-        names.clear()
-        llm.generate(prompt_tokens=[8], sampling_params=params)
-        assert set(names) == {threading.current_thread().name}
-        names.clear()
+        assert llm.scheduler.poll_result(rid, timeout_ms=None).finish_reason == "length"
+        assert list(llm.stream([8, 9], params))[-1].finish_reason == "length"
+    assert names and set(names) == {THREAD_NAME}
+
+
+def test_the_model_is_built_off_the_callers_thread(tiny_checkpoint, monkeypatch):
+    """With a scheduler thread, LLM builds model, cache and probe on a thread that then ends."""
+    from pocketllm import LLM, EngineArgs
+    from pocketllm import llm as llm_module
+
+    built_on: list[str] = []
+    real_build = llm_module.build_model
+
+    def build_model(*args, **kwargs):
+        built_on.append(threading.current_thread().name)
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(llm_module, "build_model", build_model)
+    for background, expected in ((True, "pocketllm-build"), (False, threading.current_thread().name)):
+        with LLM(EngineArgs(model=str(tiny_checkpoint), max_seq_len=64,
+                            backend_options={"enable_batching": True, "background_thread": background})):
+            assert built_on.pop() == expected
+    assert not any(t.name == "pocketllm-build" for t in threading.enumerate())
 
 
 def test_a_failing_step_is_logged_and_the_thread_goes_on(make_llm, caplog):
@@ -64,69 +80,25 @@ def test_a_failing_step_is_logged_and_the_thread_goes_on(make_llm, caplog):
     assert len(logged) == 1 and "planted" in str(logged[0].exc_info[1])
 
 
-def test_two_concurrent_drivers_keep_the_thread_asleep(make_llm, monkeypatch):
-    """Caller A drives while caller B enters generate(); after A returns, B still drives, so the
-    thread must keep sleeping: every forward runs on A's or B's thread."""
+def test_concurrent_callers_wait_while_the_thread_steps(make_llm, monkeypatch):
+    """Callers in generate() on two threads, the first one's forward slowed: every forward still
+    runs on the scheduler thread, and both callers get their results."""
     llm = make_llm(background=True, max_batch_size=4)
     names = _record_threads(llm, monkeypatch)
     recorded_run = llm.runner.run
-    a_inside, b_inside = threading.Event(), threading.Event()
 
     def run(seqs):
-        a_inside.set()
-        b_inside.wait(10)  # A's first forward waits until B is inside generate()
-        time.sleep(0.02)  # slow forwards: a thread that wrongly woke up would get steps
+        time.sleep(0.02)  # slow forwards: a caller that wrongly stepped would show up in `names`
         return recorded_run(seqs)
 
     monkeypatch.setattr(llm.runner, "run", run)
-    real_submit = llm.scheduler.submit_request
-
-    def submit(*args, **kwargs):
-        request_id = real_submit(*args, **kwargs)
-        if threading.current_thread().name == "B":
-            b_inside.set()
-        return request_id
-
-    monkeypatch.setattr(llm.scheduler, "submit_request", submit)
-    b_results = []
-    b = threading.Thread(name="B", target=lambda: b_results.append(
-        llm.generate(prompt_tokens=[5, 6], sampling_params=SamplingParams(max_tokens=12, temperature=0))))
-    a_result = []
-    a = threading.Thread(name="A", target=lambda: a_result.append(
-        llm.generate(prompt_tokens=[1, 2], sampling_params=SamplingParams(max_tokens=1, temperature=0))))
-    a.start()
-    assert a_inside.wait(10)
-    b.start()
-    a.join(30)
-    b.join(30)
-    assert a_result[0].finish_reason == "length" and b_results[0].finish_reason == "length"
-    assert set(names) <= {"A", "B"} and "B" in names
-
-
-def test_a_poll_that_waits_steps_on_its_own_thread(make_llm, gate, wait_until):
-    """poll_result(timeout_ms=None) drives the loop itself once the step in progress is done: the
-    forwards that finish its request run on the polling thread, none on the background thread."""
-    llm = make_llm(background=True)
-    g = gate(llm)
-    names: list[str] = []
-    gated_run = llm.runner.run
-
-    def run(seqs):
-        names.append(threading.current_thread().name)
-        return gated_run(seqs)
-
-    llm.runner.run = run
-    params = SamplingParams(max_tokens=3, temperature=0)
-    llm.scheduler.submit_request([1, 2], params)
-    assert g.entered.wait(10)  # the thread is inside the prefill of the first request
-    second = llm.scheduler.submit_request([3, 4], params)
-    polled = []
-    poller = threading.Thread(target=lambda: polled.append(llm.scheduler.poll_result(second, timeout_ms=None)),
-                              name="poller", daemon=True)
-    poller.start()
-    wait_until(lambda: llm.scheduler._drivers == 1, what="the poll to become the driver")
-    names.clear()
-    g.opened.set()
-    poller.join(10)
-    assert polled and polled[0].finish_reason == "length"
-    assert names and set(names) == {"poller"}
+    results: dict[str, object] = {}
+    callers = [threading.Thread(name=name, target=lambda name=name, n=n: results.setdefault(name, llm.generate(
+        prompt_tokens=[n, n + 1], sampling_params=SamplingParams(max_tokens=n, temperature=0))))
+        for name, n in (("A", 1), ("B", 12))]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(30)
+    assert sorted(results) == ["A", "B"] and all(r.finish_reason == "length" for r in results.values())
+    assert names and set(names) == {THREAD_NAME}

@@ -1,0 +1,90 @@
+"""AsyncLLM: the engine for asyncio programs.
+
+The model runs on the batch scheduler's thread; the event loop only submits, cancels and receives
+(each a short critical section, never a forward pass), so it never blocks on the model. Tokens
+and results cross threads through `loop.call_soon_threadsafe`. Leaving an `async for` over
+`stream` early, or cancelling the task that awaits `generate`, cancels the request.
+
+    async with AsyncLLM(EngineArgs(model=path)) as engine:
+        async for delta in engine.stream([1, 2, 3], SamplingParams(max_tokens=8)):
+            ...                                     # TokenDelta per token, then the GenerationResult
+        result = await engine.generate(prompt="Hello", sampling_params=SamplingParams(max_tokens=8))
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+from .config import EngineArgs
+from .llm import LLM
+from .outputs import GenerationResult
+from .sampling import SamplingParams
+from .scheduler import BatchScheduler
+from .scheduler.stream import TokenDelta
+
+
+class AsyncLLM:
+    """An LLM in batched mode with its scheduler thread, driven from an event loop."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        options = {**(args.backend_options or {}), "enable_batching": True, "background_thread": True}
+        self.llm = LLM(EngineArgs(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device,
+                                  max_seq_len=args.max_seq_len, backend_options=options,
+                                  op_overrides=args.op_overrides))
+
+    @property
+    def scheduler(self) -> BatchScheduler:
+        assert self.llm.scheduler is not None  # always batched
+        return self.llm.scheduler
+
+    async def generate(self, prompt_tokens: Sequence[int] | None = None,
+                       sampling_params: SamplingParams | None = None, *, prompt: str | None = None,
+                       priority: int = 0) -> GenerationResult:
+        """The request's result once it has ended; cancelling the awaiting task cancels it."""
+        async for item in self.stream(prompt_tokens, sampling_params, prompt=prompt, priority=priority):
+            if isinstance(item, GenerationResult):
+                return item
+        raise AssertionError("a stream always ends with its result")
+
+    async def stream(self, prompt_tokens: Sequence[int] | None = None,
+                     sampling_params: SamplingParams | None = None, *, prompt: str | None = None,
+                     priority: int = 0) -> AsyncIterator[TokenDelta | GenerationResult]:
+        """TokenDelta per sampled token (with text when the model has a tokenizer), then the
+        GenerationResult. Bad input raises before anything is queued; with `max_waiting` requests
+        waiting, QueueFullError."""
+        llm = self.llm
+        tokens, params = llm.prepare(prompt_tokens, sampling_params, prompt)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenDelta | GenerationResult] = asyncio.Queue()
+        scheduler = self.scheduler
+
+        def on_result(result: GenerationResult) -> None:  # on the engine thread, the request has ended
+            scheduler.poll_result(result.request_id)  # collected here, so an abandoned stream leaks nothing
+            loop.call_soon_threadsafe(queue.put_nowait, result)
+
+        def on_token(delta: TokenDelta) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, delta)
+
+        request_id = scheduler.submit_request(tokens, params, callback=on_result, on_token=on_token,
+                                              priority=priority)
+        texts = llm.text_deltas()
+        ended = False
+        try:
+            while not ended:
+                item = await queue.get()
+                ended = isinstance(item, GenerationResult)
+                yield llm.with_text(item, texts)
+        finally:
+            if not ended:  # left early or cancelled: the result callback collects what it did
+                scheduler.cancel_request(request_id)
+
+    def close(self) -> None:
+        """Stop the scheduler thread; unfinished requests end "cancelled"."""
+        self.llm.close()
+
+    async def __aenter__(self) -> AsyncLLM:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await asyncio.to_thread(self.close)  # joining the engine thread may wait for a step
