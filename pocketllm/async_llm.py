@@ -50,8 +50,8 @@ class AsyncLLM:
     async def stream(self, prompt_tokens: Sequence[int] | None = None,
                      sampling_params: SamplingParams | None = None, *, prompt: str | None = None,
                      priority: int = 0) -> AsyncIterator[TokenDelta | GenerationResult]:
-        """TokenDelta per sampled token (with text when the model has a tokenizer), then the
-        GenerationResult. Bad input raises before anything is queued; with `max_waiting` requests
+        """TokenDelta per sampled token (with the text it adds when the model has a tokenizer), then
+        the GenerationResult. Bad input raises before anything is queued; with `max_waiting` requests
         waiting, QueueFullError."""
         llm = self.llm
         tokens, params = llm.prepare(prompt_tokens, sampling_params, prompt)
@@ -68,13 +68,12 @@ class AsyncLLM:
 
         request_id = scheduler.submit_request(tokens, params, callback=on_result, on_token=on_token,
                                               priority=priority)
-        texts = llm.text_deltas()
         ended = False
         try:
             while not ended:
                 item = await queue.get()
                 ended = isinstance(item, GenerationResult)
-                yield llm.with_text(item, texts)
+                yield item
         finally:
             if not ended:  # left early or cancelled: the result callback collects what it did
                 scheduler.cancel_request(request_id)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import threading
@@ -24,7 +23,7 @@ from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import BatchScheduler, PrefillPolicy, Request, is_array, validate_prompt
 from .scheduler.policy import check_budget
-from .scheduler.stream import TextDeltas, TokenDelta
+from .scheduler.stream import TokenDelta
 from .tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -82,11 +81,16 @@ class LLM:
             self.scheduler = BatchScheduler(self.runner, self.cache, cfg.vocab_size, args.max_seq_len,
                                             cfg.eos_token_ids, engine.background_thread, engine.record_timeline,
                                             request_ids=self._ids, policy=self.policy, max_waiting=engine.max_waiting,
-                                            max_swap_bytes=engine.max_swap_bytes)
+                                            max_swap_bytes=engine.max_swap_bytes, detokenize=self._detokenizer())
             weakref.finalize(self, self.scheduler.stop)
         self.capabilities = Capabilities(self.scheduler is not None, args.backend, args.max_batch_size,
                                          args.max_seq_len, batch_invariant, self.cache.nbytes,
                                          self._snapshot_bytes_per_slot())
+
+    def _detokenizer(self) -> Callable[[list[int]], str] | None:
+        """token ids -> text as results show it (special tokens skipped), or None without a tokenizer."""
+        tokenizer = self.tokenizer
+        return None if tokenizer is None else lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
     def _build(self) -> bool:
         """Model, cache and runner, then the invariance check; returns whether outputs are batch invariant."""
@@ -227,15 +231,12 @@ class LLM:
     def stream(self, prompt_tokens: Sequence[int] | None = None, sampling_params: SamplingParams | None = None, *,
                prompt: str | None = None, priority: int = 0) -> Iterator[TokenDelta | GenerationResult]:
         """One prompt's tokens as they are sampled, then its result (batched mode; see
-        BatchScheduler.stream). With a tokenizer each delta carries the text it adds: bytes of a
-        character split across tokens are held until it is complete, and the texts concatenate
-        to the result's text. Leaving the loop early cancels the request."""
+        BatchScheduler.stream: with a tokenizer, each delta carries the text it adds). Leaving the
+        loop early cancels the request."""
         if self.scheduler is None:
             raise RuntimeError("stream() needs the batch scheduler: backend_options={'enable_batching': True}")
         tokens, params = self.prepare(prompt_tokens, sampling_params, prompt)
-        texts = self.text_deltas()
-        for item in self.scheduler.stream(self.scheduler.submit_request(tokens, params, priority=priority)):
-            yield self.with_text(item, texts)
+        yield from self.scheduler.stream(self.scheduler.submit_request(tokens, params, priority=priority))
 
     def prepare(self, prompt_tokens: Sequence[int] | None, sampling_params: SamplingParams | None,
                 prompt: str | None = None) -> tuple[list[int], SamplingParams]:
@@ -246,22 +247,6 @@ class LLM:
         (checked, params), = self._validated([tokens], [sampling_params if sampling_params is not None
                                                          else SamplingParams()])
         return checked, params
-
-    def text_deltas(self) -> TextDeltas | None:
-        """A detokenizer for one stream, or None when the model has no tokenizer."""
-        tokenizer = self.tokenizer
-        return None if tokenizer is None else TextDeltas(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-
-    def with_text(self, item: TokenDelta | GenerationResult,
-                  texts: TextDeltas | None) -> TokenDelta | GenerationResult:
-        """A stream item with its text: the piece a token adds (the last token also what an
-        incomplete character held back), or the result's whole text."""
-        if texts is None or self.tokenizer is None:
-            return item
-        if isinstance(item, GenerationResult):
-            item.text = self.tokenizer.decode(item.token_ids, skip_special_tokens=True)
-            return item
-        return dataclasses.replace(item, text=texts.add(item.token_id) + (texts.flush() if item.last else ""))
 
     def _encode(self, prompts: Sequence[str]) -> list[list[int]]:
         """Check text prompts, then encode them; loading the tokenizer here raises the reason

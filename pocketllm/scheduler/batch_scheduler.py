@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import dataclasses
 import itertools
 import logging
 import math
@@ -46,7 +47,7 @@ from .policy import PrefillPolicy, check_budget
 from .prefix_cache import Placement, PrefixCache
 from .request import Request, RequestStatus, validate_prompt
 from .stats import SchedulerStats
-from .stream import TokenDelta
+from .stream import TextDeltas, TokenDelta
 from .timeline import SlotEvent
 
 logger = logging.getLogger(__name__)
@@ -73,9 +74,11 @@ class BatchScheduler:
     def __init__(self, runner: ModelRunner, cache: SlotCache, vocab_size: int, max_seq_len: int,
                  eos_token_ids: tuple[int, ...] = (), background_thread: bool = True, record_timeline: bool = False,
                  request_ids: Iterator[int] | None = None, policy: PrefillPolicy | None = None,
-                 max_waiting: int = 0, max_swap_bytes: int = 0) -> None:
+                 max_waiting: int = 0, max_swap_bytes: int = 0,
+                 detokenize: Callable[[list[int]], str] | None = None) -> None:
         """`max_waiting`: submissions refused (or made to wait) beyond this many waiting requests;
-        `max_swap_bytes`: host memory preempted requests may hold. 0: no limit, for both."""
+        `max_swap_bytes`: host memory preempted requests may hold (0: no limit, for both).
+        `detokenize`: token ids -> text; with it, results and token deltas carry text."""
         self.runner = runner
         self.cache = cache
         self.policy = policy if policy is not None else PrefillPolicy()
@@ -97,7 +100,10 @@ class BatchScheduler:
         self._requests: dict[int, Request] = {}  # submitted, result not yet collected
         self._callbacks: dict[int, Callback] = {}
         self._token_callbacks: dict[int, TokenCallback] = {}
-        self._deltas: list[TokenDelta] = []  # sampled this step, for the token callbacks
+        self.detokenize = detokenize
+        self._texts: dict[int, TextDeltas] = {}  # per request with on_token, its detokenizer
+        self._deltas: collections.deque[TokenDelta] = collections.deque()  # for on_token, in order
+        self._delivering = threading.RLock()  # one thread hands out token deltas at a time, in order
         self._swap_held = 0  # bytes of swapped-out slots in host memory
         self._stepping = False
         self._stopped = False
@@ -154,6 +160,8 @@ class BatchScheduler:
                 self._callbacks[request.request_id] = callback
             if on_token is not None:
                 self._token_callbacks[request.request_id] = on_token
+                if self.detokenize is not None:
+                    self._texts[request.request_id] = TextDeltas(self.detokenize)
             bisect.insort(self._waiting, request, key=lambda r: r.order)
             self._counts["prompt_tokens"] += len(prompt)
             self._work.notify()
@@ -214,7 +222,7 @@ class BatchScheduler:
                     raise KeyError(f"request id {request_id} is unknown or its result was already collected")
                 if request.finished and request.slot is None:
                     del self._requests[request_id]
-                    return request.result()
+                    return self._result(request)
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return None
@@ -277,6 +285,7 @@ class BatchScheduler:
             if request_id not in self._requests:
                 raise KeyError(f"request id {request_id} is unknown or its result was already collected")
         sent = 0
+        texts = None if self.detokenize is None else TextDeltas(self.detokenize)
         try:
             while True:
                 with self._lock:
@@ -284,7 +293,8 @@ class BatchScheduler:
                     tokens, logprobs = request.token_ids[sent:], request.logprobs[sent:]
                     finished, ended = request.finished, self._ended(request_id)
                 for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
-                    yield TokenDelta(request_id, sent, token, logprob, last=finished and i == len(tokens) - 1)
+                    delta = TokenDelta(request_id, sent, token, logprob, last=finished and i == len(tokens) - 1)
+                    yield delta if texts is None else _with_text(delta, texts)
                     sent += 1
                 if ended:
                     yield self.poll_result(request_id, timeout_ms=None)
@@ -367,9 +377,8 @@ class BatchScheduler:
                     if work:
                         self._busy_time += time.perf_counter() - start
                     finished = self._handle_completions()
-                    deltas, self._deltas = self._deltas, []
                     self._done.notify_all()  # streams wait for tokens as pollers wait for results
-        self._fire_token_callbacks(deltas)
+        self._fire_token_callbacks()
         self._fire_callbacks(finished)
         return bool(work)
 
@@ -589,20 +598,35 @@ class BatchScheduler:
         assert result.total_time_s is not None  # a finished request has its finish time
         self._totals.append(result.total_time_s)
 
-    def _fire_token_callbacks(self, deltas: list[TokenDelta]) -> None:
-        """Run on_token callbacks outside the lock, in the order the tokens were sampled; one that
-        raises is logged and counted, as a result callback is."""
-        for delta in deltas:
-            with self._lock:
-                callback = self._token_callbacks.get(delta.request_id)
-            if callback is None:
-                continue
-            try:
-                callback(delta)
-            except BaseException:
-                logger.exception("on_token callback for request %d raised", delta.request_id)
+    def _result(self, request: Request) -> GenerationResult:
+        """The request's result, with its text when the scheduler can detokenize."""
+        result = request.result()
+        if self.detokenize is not None:
+            result.text = self.detokenize(result.token_ids)
+        return result
+
+    def _fire_token_callbacks(self) -> None:
+        """Run the on_token callbacks of every token sampled so far, outside the lock, in the order
+        the tokens were sampled, one thread at a time (so before the result callbacks of the step
+        that follows); one that raises is logged and counted, as a result callback is."""
+        with self._delivering:
+            while True:
                 with self._lock:
-                    self._counts["callback_errors"] += 1
+                    if not self._deltas:
+                        return
+                    delta = self._deltas.popleft()
+                    callback = self._token_callbacks.get(delta.request_id)
+                    texts = self._texts.get(delta.request_id)
+                if callback is not None:
+                    self._fire_token_callback(callback, delta if texts is None else _with_text(delta, texts))
+
+    def _fire_token_callback(self, callback: TokenCallback, delta: TokenDelta) -> None:
+        try:
+            callback(delta)
+        except BaseException:
+            logger.exception("on_token callback for request %d raised", delta.request_id)
+            with self._lock:
+                self._counts["callback_errors"] += 1
 
     def _fire_callbacks(self, finished: list[Request]) -> None:
         """Run callbacks outside the lock; one that raises anything (SystemExit and KeyboardInterrupt
@@ -611,14 +635,20 @@ class BatchScheduler:
             with self._lock:
                 callback = self._callbacks.pop(request.request_id, None)
                 self._token_callbacks.pop(request.request_id, None)
+                self._texts.pop(request.request_id, None)
             if callback is None:
                 continue
             try:
-                callback(request.result())
+                callback(self._result(request))
             except BaseException:
                 logger.exception("callback for request %d raised", request.request_id)
                 with self._lock:
                     self._counts["callback_errors"] += 1
+
+
+def _with_text(delta: TokenDelta, texts: TextDeltas) -> TokenDelta:
+    """The delta with the text its token adds (the last token also flushes what was held back)."""
+    return dataclasses.replace(delta, text=texts.add(delta.token_id) + (texts.flush() if delta.last else ""))
 
 
 def _deadline(timeout_ms: float | None) -> float | None:

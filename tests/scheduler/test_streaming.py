@@ -106,6 +106,15 @@ def test_on_token_callback_gets_every_token_in_order(tiny_checkpoint):
             assert [d.token_id for d in got[rid]] == result.token_ids
             assert [d.index for d in got[rid]] == list(range(len(result.token_ids)))
             assert got[rid][-1].last
+            assert "".join(d.text for d in got[rid]) == result.text  # the scheduler detokenizes too
+
+
+def test_scheduler_stream_by_request_id_carries_text(tiny_checkpoint):
+    with _engine(tiny_checkpoint, background_thread=False) as llm:
+        rid = llm.scheduler.submit_request([5, 6, 7], SamplingParams(max_tokens=12, temperature=1.0, seed=4))
+        deltas, result = _collect(llm.scheduler.stream(rid))
+        assert "".join(d.text for d in deltas) == result.text
+        assert result.text == llm.tokenizer.decode(result.token_ids, skip_special_tokens=True)
 
 
 def test_text_deltas_hold_incomplete_characters():
