@@ -21,7 +21,10 @@ from .llm import LLM
 from .outputs import GenerationResult
 from .sampling import SamplingParams
 from .scheduler import BatchScheduler
+from .scheduler.batch_scheduler import QueueFullError
 from .scheduler.stream import TokenDelta
+
+ROOM_POLL_S = 0.005  # how often a submission that waits for room in the queue tries again
 
 
 class AsyncLLM:
@@ -40,19 +43,21 @@ class AsyncLLM:
 
     async def generate(self, prompt_tokens: Sequence[int] | None = None,
                        sampling_params: SamplingParams | None = None, *, prompt: str | None = None,
-                       priority: int = 0) -> GenerationResult:
+                       priority: int = 0, wait_s: float | None = 0.0) -> GenerationResult:
         """The request's result once it has ended; cancelling the awaiting task cancels it."""
-        async for item in self.stream(prompt_tokens, sampling_params, prompt=prompt, priority=priority):
+        async for item in self.stream(prompt_tokens, sampling_params, prompt=prompt, priority=priority,
+                                      wait_s=wait_s):
             if isinstance(item, GenerationResult):
                 return item
         raise AssertionError("a stream always ends with its result")
 
     async def stream(self, prompt_tokens: Sequence[int] | None = None,
                      sampling_params: SamplingParams | None = None, *, prompt: str | None = None,
-                     priority: int = 0) -> AsyncIterator[TokenDelta | GenerationResult]:
+                     priority: int = 0, wait_s: float | None = 0.0) -> AsyncIterator[TokenDelta | GenerationResult]:
         """TokenDelta per sampled token (with the text it adds when the model has a tokenizer), then
-        the GenerationResult. Bad input raises before anything is queued; with `max_waiting` requests
-        waiting, QueueFullError."""
+        the GenerationResult. Bad input raises before anything is queued. With `max_waiting`
+        requests waiting, QueueFullError at once (`wait_s=0`), or once `wait_s` seconds passed
+        without room (None: wait as long as it takes); the loop runs on meanwhile."""
         llm = self.llm
         tokens, params = llm.prepare(prompt_tokens, sampling_params, prompt)
         loop = asyncio.get_running_loop()
@@ -66,8 +71,16 @@ class AsyncLLM:
         def on_token(delta: TokenDelta) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, delta)
 
-        request_id = scheduler.submit_request(tokens, params, callback=on_result, on_token=on_token,
-                                              priority=priority)
+        deadline = None if wait_s is None else loop.time() + wait_s
+        while True:
+            try:
+                request_id = scheduler.submit_request(tokens, params, callback=on_result, on_token=on_token,
+                                                      priority=priority)
+                break
+            except QueueFullError:
+                if deadline is not None and loop.time() >= deadline:
+                    raise
+                await asyncio.sleep(ROOM_POLL_S)  # never block the loop on the queue's condition
         ended = False
         try:
             while not ended:

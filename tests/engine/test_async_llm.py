@@ -108,3 +108,26 @@ def test_async_text_and_errors(tiny_checkpoint):
             assert not engine.scheduler.has_work
 
     asyncio.run(main())
+
+
+def test_async_backpressure_raises_or_waits_without_blocking_the_loop(tiny_checkpoint):
+    from pocketllm import QueueFullError
+
+    async def main() -> None:
+        args = EngineArgs(model=str(tiny_checkpoint), max_seq_len=64,
+                          backend_options={"max_batch_size": 1, "max_waiting": 1})
+        async with AsyncLLM(args) as engine:
+            long = SamplingParams(max_tokens=40, ignore_eos=True)
+            running = asyncio.create_task(engine.generate([1, 2], long))
+            while engine.scheduler.get_stats().running == 0:
+                await asyncio.sleep(0.001)
+            queued = asyncio.create_task(engine.generate([3, 4], long))  # fills the queue
+            while engine.scheduler.get_stats().waiting == 0:
+                await asyncio.sleep(0.001)
+            with pytest.raises(QueueFullError, match="max_waiting=1"):
+                await engine.generate([5], SamplingParams(max_tokens=1))
+            waited = await engine.generate([5], SamplingParams(max_tokens=1), wait_s=None)
+            assert waited.finish_reason == "length"
+            assert [r.finish_reason for r in await asyncio.gather(running, queued)] == ["length", "length"]
+
+    asyncio.run(main())
