@@ -415,7 +415,7 @@ class BatchScheduler:
             if request.swapped is not None:
                 if request.swapped_step == self._counts["steps"]:  # swapped out this very step: not back yet
                     break
-                cost = 1 if request.token_ids else len(request.prefill_input(self.policy).token_ids)
+                cost = 1 if request.token_ids else request.next_piece_len(self.policy)
                 if cost > budget:
                     break
                 self._swap_in(self._waiting.pop(0))

@@ -123,6 +123,10 @@ class Request:
         assert self.slot is not None, f"request {self.request_id} holds no slot"
         return self.slot
 
+    def next_piece_len(self, policy: PrefillPolicy) -> int:
+        """Tokens the next prefill piece feeds (whether or not the request holds a slot now)."""
+        return policy.piece_end(self.num_prefilled, len(self.prompt_tokens)) - self.num_prefilled
+
     def prefill_input(self, policy: PrefillPolicy) -> SequenceInput:
         """The next piece of the prompt, cut where `policy` says; it samples if it ends the prompt."""
         end = policy.piece_end(self.num_prefilled, len(self.prompt_tokens))

@@ -28,8 +28,9 @@ def engines(request, checkpoint_dir):
     engines.close()
 
 
-# The contract is the product's signature: three times the profile's examples.
-@settings(max_examples=3 * budget())
+# Half the prompts span several pieces, so an example costs several times one of the plain
+# invariance property: the profile's budget, on each of three engines.
+@settings(max_examples=budget())
 @given(workload=preemption_workloads(VOCAB))
 def test_preempted_and_prioritised_equals_uninterrupted_serial_bitwise(engines, workload):
     jobs, max_batch_size, schedule = workload
@@ -118,6 +119,30 @@ def test_forced_preemption_several_times_and_cancel_while_swapped(checkpoint_dir
         assert s.cancel_request(victim) and s.poll_result(victim).finish_reason == "cancelled"
         assert s.get_stats().swap_bytes_held == 0
         assert not s.preempt(12345) and not s.preempt(victim)
+
+
+@pytest.mark.parametrize("variant", ["tiny", "qwen3.5"])
+def test_swap_out_between_the_pieces_of_a_prefill(checkpoint_dir, variant):
+    """A prompt of four 64-token pieces, swapped out after each piece (and once while decoding),
+    comes back and ends exactly as its uninterrupted run."""
+    path = checkpoint_dir(variant)
+    prompt = [random.Random(5).randrange(VOCAB) for _ in range(180)]
+    options = {"prefill_chunk_size": 64, "state_snapshot_interval": 64, "max_num_batched_tokens": 128}
+    expected = _engine(path, enable_batching=False, **options).generate(prompt_tokens=prompt,
+                                                                        sampling_params=_params(6, 3))
+    with _engine(path, max_batch_size=2, **options) as llm:
+        s = llm.scheduler
+        sampled: list[int] = []
+        rid = s.submit_request(prompt, _params(6, 3), on_token=lambda delta: sampled.append(delta.token_id))
+        swapped_mid_prefill = 0
+        while s.has_work:
+            s.step()
+            if s.preempt(rid):
+                swapped_mid_prefill += not sampled
+            s.step()
+        result = s.poll_result(rid)
+    assert swapped_mid_prefill >= 2
+    assert (result.token_ids, result.logprobs) == (expected.token_ids, expected.logprobs)
 
 
 def test_swap_space_cap(checkpoint_dir):
