@@ -14,6 +14,7 @@ and results cross threads through `loop.call_soon_threadsafe`. Leaving an `async
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 
 from .config import EngineArgs
@@ -32,9 +33,7 @@ class AsyncLLM:
 
     def __init__(self, args: EngineArgs) -> None:
         options = {**(args.backend_options or {}), "enable_batching": True, "background_thread": True}
-        self.llm = LLM(EngineArgs(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device,
-                                  max_seq_len=args.max_seq_len, backend_options=options,
-                                  op_overrides=args.op_overrides))
+        self.llm = LLM(dataclasses.replace(args, backend_options=options))
 
     @property
     def scheduler(self) -> BatchScheduler:

@@ -99,6 +99,13 @@ def _load_rows(ptr, rows, row_stride, col_stride, row_mask, cols, DK: tl.constex
 
 
 @triton.jit
+def _load_state_rows(state_head, rows, s_sk, dv_mask, DK: tl.constexpr):
+    """fp32 [len(rows), BLOCK_DV] of the slot's state (key rows `rows`); rows past DK are zero."""
+    return tl.load(state_head + rows[:, None].to(tl.int64) * s_sk, mask=(rows < DK)[:, None] & dv_mask[None, :],
+                   other=0.0)
+
+
+@triton.jit
 def _gated_delta_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, slots_ptr, starts_ptr, cu_ptr,
                                 out_ptr, q_st, q_sh, q_sd, k_st, k_sh, k_sd, v_st, v_sh, v_sd, g_st, g_sh,
                                 b_st, b_sh, s_ss, s_sh, s_sk, s_sv, o_st, o_sh, o_sd, scale,
@@ -166,9 +173,7 @@ def _gated_delta_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr
             gram += tl.dot(k, tl.trans(k), input_precision="ieee")
         for d0 in range(0, DK, BLOCK_DK):
             k = _load_rows(k_head, tok, k_st, k_sd, valid, d0 + dk, DK) * k_scale[:, None]
-            state = tl.load(state_head + (d0 + dk)[:, None].to(tl.int64) * s_sk,
-                            mask=(d0 + dk < DK)[:, None] & dv_mask[None, :], other=0.0)
-            k_state += tl.dot(k, state, input_precision="ieee")
+            k_state += tl.dot(k, _load_state_rows(state_head, d0 + dk, s_sk, dv_mask, DK), input_precision="ieee")
         decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
         lower = tl.where(r[:, None] > r[None, :], gram * beta[:, None] * decay, 0.0)
         # Forward substitution solves (I + L) v_new = rhs row by row: row i is rhs[i] minus
@@ -188,9 +193,7 @@ def _gated_delta_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr
             scores += tl.dot(q, tl.trans(k), input_precision="ieee")
         for d0 in range(0, DK, BLOCK_DK):
             q = _load_rows(q_head, tok, q_st, q_sd, valid, d0 + dk, DK) * q_scale[:, None]
-            state = tl.load(state_head + (d0 + dk)[:, None].to(tl.int64) * s_sk,
-                            mask=(d0 + dk < DK)[:, None] & dv_mask[None, :], other=0.0)
-            q_state += tl.dot(q, state, input_precision="ieee")
+            q_state += tl.dot(q, _load_state_rows(state_head, d0 + dk, s_sk, dv_mask, DK), input_precision="ieee")
         # Products over the chunk's rows go as batched dots over groups of 16 rows (K = 16): a
         # single dot with K = CHUNK would hold 64-long operand rows per thread.
         v_groups = tl.reshape(v_new, [CHUNK // 16, 16, BLOCK_DV])

@@ -37,7 +37,7 @@ import numbers
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import cast, overload
+from typing import Any, cast, overload
 
 from ..cache import SlotCache
 from ..outputs import GenerationResult
@@ -213,7 +213,7 @@ class BatchScheduler:
         unknown. Raises KeyError for an id that was never submitted or was already collected,
         ValueError for a negative or NaN timeout."""
         deadline = _deadline(timeout_ms)
-        if deadline is None:  # a caller that waits as long as it takes does the work itself
+        if deadline is None:  # without a thread, a caller that waits as long as it takes steps the loop
             self._drive(lambda: self._ended(request_id))  # returns at once for an unknown id: KeyError below
         with self._lock:
             while True:
@@ -247,7 +247,7 @@ class BatchScheduler:
     def stop(self, drain: bool = False) -> None:
         """Stop the loop, the thread joined. drain=False: every request not yet finished ends
         "cancelled"; drain=True: new submissions are refused at once, and the requests already
-        submitted run to their end first (stepped on this thread)."""
+        submitted run to their end first (see `_drive`)."""
         if drain:
             with self._lock:
                 self._draining = True
@@ -269,8 +269,9 @@ class BatchScheduler:
 
     def generate(self, requests: Sequence[tuple[Sequence[int], SamplingParams]],
                  priority: int = 0) -> list[GenerationResult]:
-        """Submit (prompt, params) pairs and step the loop on the calling thread until they are
-        done (see `_drive`); other submitters' requests share the steps."""
+        """Submit (prompt, params) pairs and return their results once all are done (see `_drive`:
+        the background thread steps the loop, or this thread does); other submitters' requests
+        share the steps."""
         ids = [self.submit_request(prompt, params, priority=priority) for prompt, params in requests]
         self._drive(lambda: all(self._ended(i) for i in ids))
         # Every one has finished, so none of these polls comes back empty.
@@ -278,9 +279,9 @@ class BatchScheduler:
 
     def stream(self, request_id: int) -> Iterator[TokenDelta | GenerationResult]:
         """The request's tokens as they are sampled (TokenDelta each, in order, none skipped), then
-        its GenerationResult (collected: the id is unknown afterwards). Steps the loop on the
-        calling thread while it waits (see `_drive`). Leaving the iteration early cancels the
-        request. KeyError for an unknown or collected id."""
+        its GenerationResult (collected: the id is unknown afterwards). Waits for tokens as
+        `_drive` does. Leaving the iteration early cancels the request. KeyError for an unknown or
+        collected id."""
         with self._lock:
             if request_id not in self._requests:
                 raise KeyError(f"request id {request_id} is unknown or its result was already collected")
@@ -415,13 +416,14 @@ class BatchScheduler:
             if request.swapped is not None:
                 if request.swapped_step == self._counts["steps"]:  # swapped out this very step: not back yet
                     break
-                cost = 1 if request.token_ids else request.next_piece_len(self.policy)
+                prompt_len = len(request.prompt_tokens)
+                cost = 1 if request.token_ids else self.policy.piece_len(request.num_prefilled, prompt_len)
                 if cost > budget:
                     break
                 self._swap_in(self._waiting.pop(0))
             else:
                 placement = self.prefixes.place(request.prompt_tokens)
-                if self.policy.piece_end(placement.reused, len(request.prompt_tokens)) - placement.reused > budget:
+                if self.policy.piece_len(placement.reused, len(request.prompt_tokens)) > budget:
                     break
                 self._admit(self._waiting.pop(0), placement)
             item = request.decode_input() if request.token_ids else request.prefill_input(self.policy)
@@ -481,7 +483,7 @@ class BatchScheduler:
     def _admit(self, request: Request, placement: Placement) -> None:
         """Give a waiting request its slot, with the prefix it reuses in place. Lock held."""
         request.slot = self.prefixes.take(placement, request.prompt_tokens)
-        request.num_prefilled = request.reused = placement.reused
+        request.num_prefilled = placement.reused
         request.status = RequestStatus.RUNNING
         self._running.append(request)
         if placement.reused:
@@ -618,15 +620,8 @@ class BatchScheduler:
                     callback = self._token_callbacks.get(delta.request_id)
                     texts = self._texts.get(delta.request_id)
                 if callback is not None:
-                    self._fire_token_callback(callback, delta if texts is None else _with_text(delta, texts))
-
-    def _fire_token_callback(self, callback: TokenCallback, delta: TokenDelta) -> None:
-        try:
-            callback(delta)
-        except BaseException:
-            logger.exception("on_token callback for request %d raised", delta.request_id)
-            with self._lock:
-                self._counts["callback_errors"] += 1
+                    self._call_back(callback, delta if texts is None else _with_text(delta, texts), "on_token callback",
+                                    delta.request_id)
 
     def _fire_callbacks(self, finished: list[Request]) -> None:
         """Run callbacks outside the lock; one that raises anything (SystemExit and KeyboardInterrupt
@@ -636,14 +631,18 @@ class BatchScheduler:
                 callback = self._callbacks.pop(request.request_id, None)
                 self._token_callbacks.pop(request.request_id, None)
                 self._texts.pop(request.request_id, None)
-            if callback is None:
-                continue
-            try:
-                callback(self._result(request))
-            except BaseException:
-                logger.exception("callback for request %d raised", request.request_id)
-                with self._lock:
-                    self._counts["callback_errors"] += 1
+            if callback is not None:
+                self._call_back(callback, self._result(request), "callback", request.request_id)
+
+    def _call_back(self, callback: Callable[[Any], None], value: Any, what: str, request_id: int) -> None:
+        """callback(value) outside the lock; whatever it raises (SystemExit and KeyboardInterrupt
+        included: a callback must not end the scheduler) is logged and counted, nothing more."""
+        try:
+            callback(value)
+        except BaseException:
+            logger.exception("%s for request %d raised", what, request_id)
+            with self._lock:
+                self._counts["callback_errors"] += 1
 
 
 def _with_text(delta: TokenDelta, texts: TextDeltas) -> TokenDelta:

@@ -45,6 +45,10 @@ class PrefillPolicy:
                 end = min(end, (done // step + 1) * step)
         return end
 
+    def piece_len(self, done: int, prompt_len: int) -> int:
+        """Tokens of the piece that starts after `done` prefilled tokens."""
+        return self.piece_end(done, prompt_len) - done
+
     def max_piece(self, max_seq_len: int) -> int:
         """The longest piece a prompt of up to `max_seq_len` tokens can run."""
         steps = [s for s in (self.chunk_size, self.snapshot_interval) if s]

@@ -48,10 +48,8 @@ class PrefixCache:
         # Longest prefix; at equal length a free slot (no copy), then the least recently used.
         rank = {slot: i for i, slot in enumerate(free)}
         best = max(matches, key=lambda s: (matches[s], s in rank, -rank.get(s, 0)), default=None)
-        if best is None:
-            return Placement(free[0], 0, None)
-        reused = self.index.verified(best, prompt, matches[best])
-        if reused == 0:
+        reused = 0 if best is None else self.index.verified(best, prompt, matches[best])
+        if not reused:
             return Placement(free[0], 0, None)
         return Placement(best if best in rank else free[0], reused, best)
 

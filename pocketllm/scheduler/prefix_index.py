@@ -27,10 +27,6 @@ class PrefixIndex:
         self._keys: list[list[int]] = [[] for _ in range(num_slots)]  # per slot, its chain of block keys
         self._tokens: list[list[int]] = [[] for _ in range(num_slots)]  # the tokens those blocks cover
 
-    def registered(self, slot: int) -> int:
-        """Tokens of `slot` the index knows of."""
-        return len(self._tokens[slot])
-
     def extend(self, slot: int, tokens: Sequence[int], length: int) -> None:
         """Register the whole blocks of tokens[:length] that `slot` now holds (prefilled)."""
         keys = self._keys[slot]

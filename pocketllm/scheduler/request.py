@@ -95,7 +95,6 @@ class Request:
     finish_time: float | None = None
     cancel_requested: bool = False
     num_prefilled: int = 0  # prompt tokens in the slot (reused or prefilled)
-    reused: int = 0  # prompt tokens taken from a slot's contents instead of prefilled
     priority: int = 0  # lower runs first
     swapped: SwappedSlot | None = None  # its slot's contents while preempted
     swapped_step: int = -1  # the step that last swapped it out
@@ -122,10 +121,6 @@ class Request:
         """`slot`, for a request that holds one (from admission until its slot is freed)."""
         assert self.slot is not None, f"request {self.request_id} holds no slot"
         return self.slot
-
-    def next_piece_len(self, policy: PrefillPolicy) -> int:
-        """Tokens the next prefill piece feeds (whether or not the request holds a slot now)."""
-        return policy.piece_end(self.num_prefilled, len(self.prompt_tokens)) - self.num_prefilled
 
     def prefill_input(self, policy: PrefillPolicy) -> SequenceInput:
         """The next piece of the prompt, cut where `policy` says; it samples if it ends the prompt."""
