@@ -12,6 +12,7 @@ import torch
 from conftest import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from planted import linear_row_count_dependent
 
 from pocketllm import LLM, EngineArgs, SamplingParams
 from pocketllm.lab.engine import MAX_SEQ_LEN, Engines, Job, mismatches
@@ -45,10 +46,13 @@ def test_batched_equals_serial_bitwise(engines, workload):
     assert mismatches(engines, jobs_, max_batch_size) == []
 
 
-def test_negative_control_without_invariance_padding(tiny_checkpoint):
-    """With the row padding of the linear layers switched off, the same property fails: the
-    check above has teeth. This test passes when it finds a counterexample."""
-    engines = Engines(tiny_checkpoint, batch_invariant=False)
+def test_negative_control_a_row_count_dependent_linear(tiny_checkpoint):
+    """With a linear whose rows round differently from 4 rows up (a defect planted by construction,
+    tests/planted.py, so it is there on every CPU) the same property fails: the check above has
+    teeth. Whether the host BLAS alone would break invariance is the start-up probe's business.
+    Passes when it finds a counterexample."""
+    engines = Engines(tiny_checkpoint, invariance_probe=False,
+                      engine_args={"op_overrides": {"linear": linear_row_count_dependent}})
     rng = random.Random(0)
     try:
         for attempt in range(30):
@@ -58,8 +62,7 @@ def test_negative_control_without_invariance_padding(tiny_checkpoint):
                         for _ in range(rng.randint(2, 8))]
             if mismatches(engines, workload, max_batch_size=8):
                 return
-        pytest.fail("no counterexample without invariance padding: this BLAS is row-invariant by itself, "
-                    "so the negative control cannot show the property's power here")
+        pytest.fail("no counterexample with a row-count dependent linear: the property cannot see it")
     finally:
         engines.close()
 

@@ -5,9 +5,9 @@ run (reusing nothing, its prompt cut at the same request-local positions) with `
 control shows the property would catch cuts that move with the budget.
 
 Why the cold run is cut the same way: the torch backend's prefill attention is torch's fused
-attention, one call per piece, whose blocking follows the piece's length, so a prompt in one piece
-and in two can differ in the last bit. The pieces themselves, and so the bits, depend only on the
-request: that is the contract."""
+attention, one call per piece, whose blocking follows the piece's length, so it is not split
+invariant by construction (whether a prompt in one piece and in two differ depends on the CPU).
+The pieces themselves, and so the bits, depend only on the request: that is the contract."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import budget
 from hypothesis import given, settings
+from planted import prefill_attention_first_row_nudged
 
 from pocketllm import SamplingParams
 from pocketllm.lab.engine import Engines, Job, Schedule, mismatches, prefix_workloads, run_batched
@@ -90,11 +91,18 @@ class BudgetCuts(PrefillPolicy):
         return self.max_num_batched_tokens // 3
 
 
-@pytest.mark.parametrize("variant", ["tiny", "qwen3.5"])
+# What makes a cut show in the bits, by construction on every machine: on Qwen3.5 the Gated DeltaNet
+# prefill, whose 64-position chunks sit at absolute positions (a cut off that grid runs other
+# arithmetic); on Qwen3, whose torch ops are otherwise split invariant or torch's choice, a prefill
+# attention whose pieces round their first row differently (tests/planted.py).
+CUT_SENSITIVE = {"tiny": {"op_overrides": {"prefill_attention": prefill_attention_first_row_nudged}}, "qwen3.5": {}}
+
+
+@pytest.mark.parametrize("variant", sorted(CUT_SENSITIVE))
 def test_negative_control_budget_dependent_cuts(checkpoint_dir, variant):
     """With cuts that depend on the budget the same comparison fails: the property has teeth on
     both model families. Passes when a counterexample is found."""
-    engines = Engines(checkpoint_dir(variant), max_seq_len=MAX_SEQ_LEN)
+    engines = Engines(checkpoint_dir(variant), max_seq_len=MAX_SEQ_LEN, engine_args=CUT_SENSITIVE[variant])
     rng = random.Random(0)
     try:
         for attempt in range(10):

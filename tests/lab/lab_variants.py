@@ -1,11 +1,13 @@
-"""Variants defined outside the package, as a kernel developer would write them: two correct,
-two deliberately broken in the ways the lab must catch."""
+"""Variants defined outside the package, as a kernel developer would write them: one correct, the
+others deliberately broken in the ways the lab must catch (the batch- and piece-dependent ones
+planted by construction, tests/planted.py, so the lab catches them on every machine)."""
 
 import torch
 import torch.nn.functional as F
 
+from planted import linear_row_count_dependent, prefill_attention_first_row_nudged
+
 from pocketllm.kernels.decode_attention import decode_attention_ref
-from pocketllm.kernels.linear import linear_per_row
 
 
 def silu_and_mul_split(gate_up: torch.Tensor) -> torch.Tensor:
@@ -21,12 +23,11 @@ def decode_attention_one_key_short(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     return decode_attention_ref(q, k_cache, v_cache, slot_ids, (seq_lens - 1).clamp(min=1), scale)
 
 
-def linear_batch_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Broken: one GEMM for small batches, rows one by one from 4 rows up — so a row's tile, and
-    with it its bits, depends on how many rows share the call."""
-    if x.shape[0] >= 4:
-        return linear_per_row(x, weight, bias)
-    return F.linear(x, weight, bias)
+# Broken: a row's bits depend on how many rows share the call (another path from 4 rows up).
+linear_batch_tiled = linear_row_count_dependent
+
+# Broken: the first query row of every prefill piece takes another path, so cuts change bits.
+prefill_attention_piece_dependent = prefill_attention_first_row_nudged
 
 
 def decode_attention_wrong_signature(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

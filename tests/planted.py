@@ -1,0 +1,40 @@
+"""Defects planted by construction, for the negative controls.
+
+A negative control must fail its check on every machine, so its defect cannot be something a BLAS
+or a torch kernel happens to do on one CPU (a kernel switch at some row count, a blocking that
+moves with the shape). Each defect here is an explicit rescale by 1 + 2^-20 applied where the
+defect's condition holds: that moves every nonzero normal fp32 value by 8 to 16 units in the last
+place whatever the hardware computed before it, so bits differ by arithmetic, while staying far
+inside the reference tolerance (1e-4), so only the invariance checks can see it. A real kernel
+would get there by choosing a tile, a split or an algorithm by the row count or the piece.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pocketllm.kernels.linear import linear_per_row
+from pocketllm.kernels.prefill_attention import prefill_attention_ref
+
+NUDGE = 1.0 + 2.0**-20  # exact in fp32; x * NUDGE != x for every nonzero normal fp32 x
+ROW_TILE = 4  # the row count from which the planted linear "switches kernels"
+
+
+def linear_row_count_dependent(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row alone below ROW_TILE rows, then another path that rounds differently: a row's
+    bits depend on how many rows share the call."""
+    out = linear_per_row(x, weight, bias)
+    return out * NUDGE if x.shape[0] >= ROW_TILE else out
+
+
+def prefill_attention_first_row_nudged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                       slot_ids: torch.Tensor, start_positions: torch.Tensor,
+                                       cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The reference, with the first query row of every piece taking another path: a position's
+    bits depend on whether a piece starts there, so a prompt cut anywhere changes them. Batch
+    invariant (each piece alone), within tolerance of the reference."""
+    out = prefill_attention_ref(q, k_cache, v_cache, slot_ids, start_positions, cu_seqlens, scale)
+    first_rows = cu_seqlens[:-1][cu_seqlens[:-1] < cu_seqlens[1:]].long()
+    out[first_rows] = out[first_rows] * NUDGE
+    return out
+
