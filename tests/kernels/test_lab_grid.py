@@ -6,6 +6,8 @@ every other case (the interpreter is slow; tests/kernels/test_*_triton.py cover 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_impls import DEVICE, UNDER_TEST
@@ -19,12 +21,19 @@ from pocketllm.lab.check import check_kernel, default_dtypes
 INVARIANT = {(op, name) for backend, flags in (("torch", (True, False)), ("torch", (True, True)), ("triton", ()))
              for op, name in backend_impls(backend, *flags).items()} | {(op, UNDER_TEST) for op in OP_NAMES}
 PAIRS = [(op, name) for op in OP_NAMES for name in IMPLEMENTATIONS[op]]
+# Batch invariant by construction (one call per sequence) but not split invariant by construction:
+# torch's fused attention blocks by the piece's shape, so whether two pieces round as one is the
+# CPU's and torch's choice. The engine does not promise it (the cuts are part of its configuration),
+# so these are not held to the split check.
+NOT_SPLIT_INVARIANT = {("prefill_attention", "fused")}
 
 
 @pytest.mark.parametrize("op, impl", PAIRS, ids=[f"{op}-{name}" for op, name in PAIRS])
 def test_implementation_passes_the_op_checks(op, impl):
     interpreted = DEVICE == "cpu" and impl in ("triton", UNDER_TEST) and op != "embedding"
     cases = op_cases(op, (torch.float32,))[::2] if interpreted else op_cases(op, default_dtypes(DEVICE))
+    if (op, impl) in NOT_SPLIT_INVARIANT:
+        cases = [dataclasses.replace(case, splittable=False) for case in cases]
     verdict = check_kernel(op, impl, device=DEVICE, cases=cases, invariance=(op, impl) in INVARIANT)
     assert verdict.ok, verdict.table()
 
