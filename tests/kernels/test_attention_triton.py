@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import budget
+from helpers import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_impls import DEVICE, implementation

@@ -9,7 +9,7 @@ tests repeat the comparisons in bf16 at Qwen3.5 sizes (Hk 16, Hv 32, Dk = Dv = 1
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import budget
+from helpers import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_impls import DEVICE, implementation

@@ -11,7 +11,7 @@ SiLU's exp; they are compared within the dtype's tolerance. CPU runs use the Tri
 
 import pytest
 import torch
-from conftest import budget
+from helpers import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_impls import DEVICE, implementation

@@ -3,7 +3,7 @@ fp16 under the interpreter, bf16 at model sizes on CUDA) and bitwise row invaria
 
 import pytest
 import torch
-from conftest import budget
+from helpers import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_impls import DEVICE, implementation
