@@ -1,4 +1,4 @@
-"""Fixtures, hooks and options for every test: Hypothesis profiles, `--impl`, and
+"""Fixtures, hooks and options for every test: Hypothesis profiles, `--impl`, the `gpu` skip, and
 random-weight checkpoints written once per test session."""
 
 from __future__ import annotations
@@ -46,6 +46,16 @@ def pytest_configure(config: pytest.Config) -> None:
             register(op, "under_test", resolve(op, spec))
         except (ImportError, ValueError, TypeError) as exc:
             raise pytest.UsageError(f"--impl {item}: {exc}") from exc
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` are skipped here when torch sees no CUDA device: the one place that decides."""
+    if torch.cuda.is_available():
+        return
+    no_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(no_cuda)
 
 
 @pytest.fixture

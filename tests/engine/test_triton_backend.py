@@ -14,7 +14,6 @@ import torch
 from pocketllm import LLM, EngineArgs, SamplingParams, write_checkpoint
 
 MAX_SEQ_LEN = 64
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def hf_greedy(path, prompt: list[int], steps: int, device: str = "cpu", dtype=torch.float32) -> list[int]:
@@ -97,7 +96,6 @@ def gpu_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gpu_batched_equals_serial(gpu_checkpoint, dtype):
     """On CUDA, real sizes: 24 mixed requests through 8 slots equal their serial runs bitwise."""
@@ -107,7 +105,6 @@ def test_gpu_batched_equals_serial(gpu_checkpoint, dtype):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gpu_qwen3_5_batched_equals_serial(tmp_path, dtype):
     """On CUDA: a Qwen3.5 hybrid at realistic width, 16 mixed requests through 4 slots, bitwise."""
@@ -117,7 +114,6 @@ def test_gpu_qwen3_5_batched_equals_serial(tmp_path, dtype):
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_greedy_matches_transformers_fp32(gpu_checkpoint, monkeypatch):
     """On CUDA in fp32 (IEEE dots), the triton backend's greedy tokens equal transformers'."""
     prompt = list(range(100, 400))
