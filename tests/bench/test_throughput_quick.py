@@ -17,6 +17,7 @@ from pocketllm.bench.workloads import summarize
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_quick_benchmark_writes_report_and_plots(tmp_path, single_torch_thread):
     pytest.importorskip("matplotlib")
     assert main(["--quick", "--out", str(tmp_path)]) == 0
@@ -82,6 +83,7 @@ def test_plain_install_writes_report_says_what_it_skipped(tmp_path, monkeypatch,
     assert not list(tmp_path.glob("*.png"))
 
 
+@pytest.mark.slow
 def test_real_shapes_quick_writes_every_point(tmp_path, monkeypatch, single_torch_thread):
     """`pocketllm bench --real-shapes --quick`: both model families, transformers and every pocketllm
     configuration at every point, verdicts against the goals, JSON, Markdown and the plot."""

@@ -47,6 +47,7 @@ def assert_batched_equals_serial(path, prompts, params, device: str, dtype: str,
         assert b.token_ids == s.token_ids and b.logprobs == s.logprobs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["tiny", "untied_gqa4_bias"])
 def test_triton_greedy_tokens_match_transformers(checkpoint_dir, variant):
     """Greedy tokens of the triton backend (interpreted) equal transformers' for 20 steps."""
@@ -70,6 +71,7 @@ def test_triton_logits_match_torch_backend(tiny_checkpoint):
                                atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_triton_qwen3_5_greedy_matches_transformers(checkpoint_dir):
     """Qwen3.5 (Gated DeltaNet kernels, gated attention) on the interpreted triton backend:
     greedy tokens equal transformers' for 12 steps, from a prompt crossing a 64-token chunk."""
