@@ -1,7 +1,7 @@
 """What the tests import (`from helpers import ...`): Hypothesis budgets and the checkpoint variants.
 
-Kept out of conftest.py, which pytest loads as a plugin: a test module that imported it would load
-it a second time under another name."""
+Kept out of conftest.py: pytest loads each conftest.py as its directory's plugin, and a module named
+conftest, imported, is whichever of them Python finds first on its path."""
 
 from __future__ import annotations
 
