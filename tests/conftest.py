@@ -1,4 +1,5 @@
-"""Shared fixtures: random-weight checkpoints written once per test session."""
+"""Fixtures, hooks and options for every test: Hypothesis profiles, `--impl`, the `gpu` skip, and
+random-weight checkpoints written once per test session."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import CHECKPOINT_VARIANTS, QWEN3_5_VARIANTS
 from hypothesis import HealthCheck, settings
 
 from pocketllm import write_checkpoint
@@ -15,7 +17,7 @@ from pocketllm import write_checkpoint
 #   default  40 examples per property: the local run;
 #   ci       40 examples per property, failing examples printed as reproduction blobs;
 #   thorough 400 examples per property (ten times more).
-# Every property takes its budget from the active profile through `budget`, so a profile reaches
+# Every property takes its budget from the active profile through `helpers.budget`, so a profile reaches
 # all of them; a property that is expensive per example asks for a fraction of it.
 _RELAXED = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                                       HealthCheck.data_too_large])
@@ -46,34 +48,14 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--impl {item}: {exc}") from exc
 
 
-def budget(fraction: float = 1.0) -> int:
-    """Examples for one property: `fraction` of the active profile's max_examples (at least 1)."""
-    return max(1, int(settings().max_examples * fraction))
-
-
-# Checkpoint variants the model tests run on: tied/untied embeddings, GQA ratios 2/4/1, head dims 32/16/24.
-CHECKPOINT_VARIANTS = {
-    "tiny": {},
-    "untied_gqa4_bias": {"tie_word_embeddings": False, "num_attention_heads": 8, "num_key_value_heads": 2,
-                         "head_dim": 16, "attention_bias": True, "num_hidden_layers": 3},
-    "mha_hd24": {"num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": 24, "hidden_size": 48,
-                 "intermediate_size": 96, "vocab_size": 300, "eos_token_id": 299},
-}
-
-
-# Qwen3.5 hybrids: both checkpoint layouts, different layer counts and head layouts.
-QWEN3_5_VARIANTS = {
-    "qwen3.5": {"preset": "qwen3.5-tiny"},
-    "qwen3.5_mm_untied": {"preset": "qwen3.5-tiny", "multimodal": True, "tie_word_embeddings": False,
-                          "num_hidden_layers": 6, "linear_num_key_heads": 1, "linear_num_value_heads": 3,
-                          "linear_key_head_dim": 24, "linear_value_head_dim": 8,
-                          "layer_types": ["linear_attention", "full_attention", "linear_attention",
-                                          "linear_attention", "linear_attention", "full_attention"]},
-    "qwen3.5_mha": {"preset": "qwen3.5-tiny", "num_hidden_layers": 2, "num_attention_heads": 2,
-                    "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 4, "linear_num_value_heads": 4,
-                    "linear_key_head_dim": 8, "linear_value_head_dim": 32, "layer_types": ["linear_attention",
-                                                                                      "full_attention"]},
-}
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` are skipped here when torch sees no CUDA device: the one place that decides."""
+    if torch.cuda.is_available():
+        return
+    no_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(no_cuda)
 
 
 @pytest.fixture

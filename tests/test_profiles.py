@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from conftest import budget
+from helpers import budget
 from hypothesis import settings
 
 TESTS = Path(__file__).resolve().parent

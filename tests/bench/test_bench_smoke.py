@@ -7,11 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pocketllm.lab.launches import OPS
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_kernel_bench_smoke_writes_report(tmp_path):
     """Every op's Triton kernel is timed beside its other implementations, which agree with it;
     JSON and Markdown are written."""

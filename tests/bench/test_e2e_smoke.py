@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 _SPEC = importlib.util.spec_from_file_location("gpu_summary", ROOT / "bench" / "gpu_summary.py")
 assert _SPEC is not None and _SPEC.loader is not None
@@ -16,6 +18,7 @@ gpu_summary = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(gpu_summary)
 
 
+@pytest.mark.slow
 def test_e2e_smoke_writes_report(tmp_path: Path) -> None:
     """The tiny preset on the torch backend: every number is positive; JSON and Markdown are written."""
     subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--smoke", "--out", str(tmp_path)],

@@ -7,9 +7,12 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from pocketllm.bench.command import main
 
 
+@pytest.mark.slow
 def test_scheduling_quick_writes_report(tmp_path: Path) -> None:
     assert main(["--scheduling", "--quick", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "scheduling.json").read_text())

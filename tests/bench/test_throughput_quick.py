@@ -10,7 +10,6 @@ import json
 import sys
 
 import pytest
-import torch
 
 from pocketllm.bench import command, main
 from pocketllm.bench.workloads import summarize
@@ -18,17 +17,8 @@ from pocketllm.bench.workloads import summarize
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture
-def one_torch_thread():
-    """The test checks code paths, not speed. On a CPU shared with other work, two OpenMP threads
-    wait on each other and slow this tiny model down many times over; one thread keeps it quick."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def test_quick_benchmark_writes_report_and_plots(tmp_path, one_torch_thread):
+@pytest.mark.slow
+def test_quick_benchmark_writes_report_and_plots(tmp_path, single_torch_thread):
     pytest.importorskip("matplotlib")
     assert main(["--quick", "--out", str(tmp_path)]) == 0
 
@@ -93,7 +83,8 @@ def test_plain_install_writes_report_says_what_it_skipped(tmp_path, monkeypatch,
     assert not list(tmp_path.glob("*.png"))
 
 
-def test_real_shapes_quick_writes_every_point(tmp_path, monkeypatch, one_torch_thread):
+@pytest.mark.slow
+def test_real_shapes_quick_writes_every_point(tmp_path, monkeypatch, single_torch_thread):
     """`pocketllm bench --real-shapes --quick`: both model families, transformers and every pocketllm
     configuration at every point, verdicts against the goals, JSON, Markdown and the plot."""
     monkeypatch.setenv("POCKETLLM_CACHE", str(tmp_path / "cache"))

@@ -18,6 +18,7 @@ def _params(rng: random.Random) -> SamplingParams:
                           seed=rng.randrange(2**32), ignore_eos=True)
 
 
+@pytest.mark.slow
 def test_hundreds_of_concurrent_requests_early_exits_and_cancellation(tiny_checkpoint):
     rng = random.Random(0)
     jobs = [([rng.randrange(256) for _ in range(rng.randint(1, 24))], _params(rng)) for _ in range(200)]

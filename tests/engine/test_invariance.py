@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from conftest import budget
+from helpers import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from planted import linear_row_count_dependent

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import budget
+from helpers import budget
 from hypothesis import given, settings
 
 from pocketllm import LLM, EngineArgs, SamplingParams, SwapSpaceError

@@ -15,7 +15,7 @@ import random
 
 import pytest
 import torch
-from conftest import budget
+from helpers import budget
 from hypothesis import given, settings
 from planted import prefill_attention_first_row_nudged
 

@@ -8,7 +8,7 @@ import re
 import sys
 
 import pytest
-from conftest import budget
+from helpers import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer

@@ -14,7 +14,6 @@ import torch
 from pocketllm import LLM, EngineArgs, SamplingParams, write_checkpoint
 
 MAX_SEQ_LEN = 64
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def hf_greedy(path, prompt: list[int], steps: int, device: str = "cpu", dtype=torch.float32) -> list[int]:
@@ -48,6 +47,7 @@ def assert_batched_equals_serial(path, prompts, params, device: str, dtype: str,
         assert b.token_ids == s.token_ids and b.logprobs == s.logprobs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["tiny", "untied_gqa4_bias"])
 def test_triton_greedy_tokens_match_transformers(checkpoint_dir, variant):
     """Greedy tokens of the triton backend (interpreted) equal transformers' for 20 steps."""
@@ -71,6 +71,7 @@ def test_triton_logits_match_torch_backend(tiny_checkpoint):
                                atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_triton_qwen3_5_greedy_matches_transformers(checkpoint_dir):
     """Qwen3.5 (Gated DeltaNet kernels, gated attention) on the interpreted triton backend:
     greedy tokens equal transformers' for 12 steps, from a prompt crossing a 64-token chunk."""
@@ -97,7 +98,6 @@ def gpu_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gpu_batched_equals_serial(gpu_checkpoint, dtype):
     """On CUDA, real sizes: 24 mixed requests through 8 slots equal their serial runs bitwise."""
@@ -107,7 +107,6 @@ def test_gpu_batched_equals_serial(gpu_checkpoint, dtype):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gpu_qwen3_5_batched_equals_serial(tmp_path, dtype):
     """On CUDA: a Qwen3.5 hybrid at realistic width, 16 mixed requests through 4 slots, bitwise."""
@@ -117,7 +116,6 @@ def test_gpu_qwen3_5_batched_equals_serial(tmp_path, dtype):
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_greedy_matches_transformers_fp32(gpu_checkpoint, monkeypatch):
     """On CUDA in fp32 (IEEE dots), the triton backend's greedy tokens equal transformers'."""
     prompt = list(range(100, 400))

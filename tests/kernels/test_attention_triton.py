@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import budget
+from helpers import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_impls import DEVICE, implementation
@@ -204,7 +204,6 @@ GPU_DECODE_LENGTHS = (4096, 1, 17, 300, 1000, 2049, 3333, 4095)
 
 @pytest.mark.parametrize("split_size", [64, 256])
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_decode_matches_reference_and_is_batch_invariant(split_size):
     """bf16, B=8, context up to 4096, Hq=32, Hkv=8, D=128: matches the reference, and each
     sequence alone equals its output in the batch bitwise."""
@@ -218,7 +217,6 @@ def test_gpu_decode_matches_reference_and_is_batch_invariant(split_size):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_prefill_matches_reference_and_is_batch_invariant():
     """bf16 varlen prefill of 8 sequences (up to 4096 positions, some after a cached prefix),
     Hq=32, Hkv=8, D=128: matches the reference, and each sequence alone equals its batch rows."""
@@ -235,7 +233,6 @@ def test_gpu_prefill_matches_reference_and_is_batch_invariant():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("split", [1, 1000, 2048, 2049, 4095])
 def test_gpu_prefill_in_two_pieces_equals_one_piece(split):
     """bf16, a 4096-token prompt, Hq=32, Hkv=8, D=128: two-piece prefill equals one piece bitwise."""

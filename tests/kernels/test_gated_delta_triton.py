@@ -9,7 +9,7 @@ tests repeat the comparisons in bf16 at Qwen3.5 sizes (Hk 16, Hv 32, Dk = Dv = 1
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import budget
+from helpers import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_impls import DEVICE, implementation
@@ -27,7 +27,6 @@ LENGTHS = [1, 2, 17, 63, 64, 65, 130]
 STARTS = [0, 5, 70, 64, 3, 100, 33]
 # (Hk, Hv, Dk, Dv): GQA ratios 1 and 2, odd Dk 24, Dv 48 (two prefill Dv blocks, the last partial).
 HEADS = [(2, 2, 32, 32), (1, 2, 16, 24), (1, 1, 24, 48)]
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _inputs(tokens: int, key_heads: int, v_heads: int, dim_k: int, dim_v: int, dtype: torch.dtype, seed: int,
@@ -221,14 +220,12 @@ QWEN35_HEADS = (16, 32, 128, 128)
 
 
 @pytest.mark.gpu
-@CUDA
 def test_gpu_prefill_matches_reference():
     """bf16 prefill of sequences up to 4096 tokens equals the reference within tolerance."""
     _check_prefill_matches(QWEN35_HEADS, torch.bfloat16, [1, 700, 4096, 130], [0, 37, 64, 1000], device="cuda")
 
 
 @pytest.mark.gpu
-@CUDA
 def test_gpu_prefill_invariance():
     """bf16 prefill is bitwise batch invariant and invariant to cuts at chunk boundaries."""
     _check_prefill_batch_invariance(QWEN35_HEADS, torch.bfloat16, [1, 700, 2048, 65], [0, 37, 64, 1000],
@@ -238,7 +235,6 @@ def test_gpu_prefill_invariance():
 
 
 @pytest.mark.gpu
-@CUDA
 def test_gpu_decode():
     """bf16 decode matches the reference after a long prefill and is bitwise batch invariant."""
     _check_decode_after_prefill(QWEN35_HEADS, torch.bfloat16, [3000, 100, 1], [0, 64, 9], steps=4, device="cuda")

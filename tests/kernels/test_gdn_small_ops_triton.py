@@ -11,7 +11,7 @@ SiLU's exp; they are compared within the dtype's tolerance. CPU runs use the Tri
 
 import pytest
 import torch
-from conftest import budget
+from helpers import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_impls import DEVICE, implementation
@@ -28,8 +28,6 @@ rms_norm_gated_impl = implementation("rms_norm_gated")
 # The fp32/fp16 tests run on DEVICE: CPU tensors under the interpreter, CUDA ones with a GPU.
 DTYPES = (torch.float32, torch.float16)
 SLOTS = 8
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32, device: str = DEVICE,
@@ -284,7 +282,6 @@ GPU_CHANNELS = 8192
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("lens", ([4096], [1, 7, 1000, 3088], [1] * 64))
 def test_gpu_conv_prefill_matches_reference(lens: list[int]):
     """bf16, C = 8192, K = 4: one 4096-token prompt, a mixed batch up to 4096 tokens and 64
@@ -294,7 +291,6 @@ def test_gpu_conv_prefill_matches_reference(lens: list[int]):
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_conv_invariance():
     """bf16, C = 8192: sequences alone equal the batch bitwise; decode continues prefill bitwise;
     a 4096-token prompt split at 1000 and 3001 equals the whole."""
@@ -312,7 +308,6 @@ def test_gpu_conv_invariance():
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_conv_decode_matches_reference():
     """bf16, C = 8192, B = 64 over distinct slots: outputs within tolerance, states bitwise."""
     x = _randn(64, GPU_CHANNELS, seed=41, dtype=torch.bfloat16, device="cuda")
@@ -326,7 +321,6 @@ def test_gpu_conv_decode_matches_reference():
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_rms_norm_gated():
     """bf16 [4096, 32, 128] with a strided gate: matches the reference (bf16 and fp32 weights) and
     prefixes of the rows are bitwise the full batch's."""

@@ -3,7 +3,7 @@ fp16 under the interpreter, bf16 at model sizes on CUDA) and bitwise row invaria
 
 import pytest
 import torch
-from conftest import budget
+from helpers import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_impls import DEVICE, implementation
@@ -23,8 +23,6 @@ LINEAR_SHAPES = ((48, 33, True), (100, 130, False), (64, 256, True))
 INVARIANCE_ROWS = tuple(range(1, 21)) + (33, 64, 65)
 DTYPES = (torch.float32, torch.float16)
 # The fp32/fp16 tests run on DEVICE: CPU tensors under the interpreter, CUDA ones with a GPU.
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32, device: str = DEVICE,
@@ -185,7 +183,6 @@ GPU_LINEAR_SHAPES = ((4096, 4096), (4096, 12288))
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("k,n", GPU_LINEAR_SHAPES)
 @pytest.mark.parametrize("m", (1, 8, 256, 4096))
 def test_gpu_linear_bf16_matches_reference(m: int, k: int, n: int):
@@ -197,7 +194,6 @@ def test_gpu_linear_bf16_matches_reference(m: int, k: int, n: int):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
 @pytest.mark.parametrize("k,n", GPU_LINEAR_SHAPES)
 def test_gpu_linear_row_invariant(k: int, n: int, dtype: torch.dtype):
@@ -208,7 +204,6 @@ def test_gpu_linear_row_invariant(k: int, n: int, dtype: torch.dtype):
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_linear_fp32_is_not_tf32():
     """fp32 inputs are multiplied in IEEE fp32, not TF32: the result matches a float64 product to
     fp32 accuracy (TF32 keeps 10 mantissa bits and would miss by about 1e-3)."""
@@ -218,7 +213,6 @@ def test_gpu_linear_fp32_is_not_tf32():
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_rms_norm_bf16():
     """bf16 RMSNorm at hidden size 4096 and per head on the q slice of a fused qkv output matches the
     reference, and a single row gives the same bits as inside the batch."""
@@ -234,7 +228,6 @@ def test_gpu_rms_norm_bf16():
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_silu_and_mul_bf16():
     """bf16 SiLU-and-mul at intermediate size 12288 matches the reference and is row invariant."""
     gate_up = _randn(256, 2 * 12288, seed=15, dtype=torch.bfloat16, device="cuda", scale=4.0)

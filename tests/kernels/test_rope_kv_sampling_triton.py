@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import budget
+from helpers import budget
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from kernel_impls import DEVICE, implementation
@@ -337,7 +337,6 @@ def test_row_alone_equals_row_in_mixed_batch():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("tokens", [1, 64, 4096])
 def test_gpu_rope_write_kv_matches_reference(tokens):
     """bf16, Hq=32, Hkv=8, D=128, up to 4096 tokens over 16 slots of 4096 positions: q and the
@@ -357,7 +356,6 @@ def test_gpu_rope_write_kv_matches_reference(tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_rope_write_kv_partial_rotary_matches_reference():
     """Qwen3.5 attention shapes (Hq=16, Hkv=2, D=256, R=64), 4096 tokens: q and the caches match
     the reference, bitwise in fp32 and within tolerance in bf16."""
@@ -374,7 +372,6 @@ def test_gpu_rope_write_kv_partial_rotary_matches_reference():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_rope_write_kv_addresses_past_2_31_elements():
     """bf16 caches of 2^31 + 2^20 elements: the entry of a token in the last slot (offset > 2^31)
     holds its rotated K and V."""
@@ -399,7 +396,6 @@ def _gpu_rows(count: int) -> list[tuple]:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_sampling_matches_reference():
     """V = 151936, B = 64, Gaussian logits: noise, allowed sets outside the top-p band, tokens
     on clear rows (at least 90% of the sampled rows) and logprobs agree with the reference."""
@@ -407,7 +403,6 @@ def test_gpu_sampling_matches_reference():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_sampling_rows_are_batch_invariant():
     """V = 151936, B = 64, logits rounded through bf16 (ties included): each row alone and the
     reversed batch give bitwise the batch's tokens and logprobs."""

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import budget
+from helpers import budget
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 

@@ -22,7 +22,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from conftest import budget
+from helpers import budget
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from kernel_impls import DEVICE

@@ -191,6 +191,7 @@ def probe(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return json.loads(done.stdout)
 
 
+@pytest.mark.slow
 @needs_triton
 def test_signature_and_constexprs_follow_tritons_specialisation(probe):
     scale = probe["scale"]
@@ -205,6 +206,7 @@ def test_signature_and_constexprs_follow_tritons_specialisation(probe):
     assert probe["scale_n1"]["signature"]["n"] == "constexpr" and probe["scale_n1"]["constants"]["2"] == 1
 
 
+@pytest.mark.slow
 @needs_triton
 def test_distinct_specialisations_compile_once_each(probe):
     reports = probe["reports"]
@@ -213,6 +215,7 @@ def test_distinct_specialisations_compile_once_each(probe):
     assert reports[1]["shape"] == "launch 2"
 
 
+@pytest.mark.slow
 @needs_triton
 def test_spilling_kernel_fails_with_the_reason(probe):
     spill = probe["reports"][2]
@@ -220,6 +223,7 @@ def test_spilling_kernel_fails_with_the_reason(probe):
     assert spill["reason"].startswith("spills: ")
 
 
+@pytest.mark.slow
 @needs_triton
 def test_oversized_shared_memory_fails_with_the_reason(probe):
     shared = probe["reports"][3]
@@ -227,12 +231,14 @@ def test_oversized_shared_memory_fails_with_the_reason(probe):
     assert f"> {TARGETS['sm_80'].max_shared} B" in shared["reason"]
 
 
+@pytest.mark.slow
 @needs_triton
 def test_recorded_launchers_take_the_cuda_path(probe):
     assert probe["linear_kwargs"] == {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "HOST_DOT": False}
     assert "interpreter is off" in probe["refused_outside_capture"]
 
 
+@pytest.mark.slow
 @needs_triton
 def test_real_op_compiles_for_sm_80_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CHECKPOINT_VARIANTS
+from helpers import CHECKPOINT_VARIANTS
 
 from pocketllm import LLM, EngineArgs, SamplingParams
 from pocketllm.models import ForwardBatch

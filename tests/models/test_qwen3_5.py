@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from conftest import QWEN3_5_VARIANTS
+from helpers import QWEN3_5_VARIANTS
 
 from pocketllm import LLM, EngineArgs, SamplingParams
 from pocketllm.models import ForwardBatch

@@ -27,6 +27,7 @@ def test_all_notebooks_found() -> None:
     assert [p.name for p in NOTEBOOKS][:len(EXPECTED)] == EXPECTED
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     nb = nbformat.read(str(path), as_version=4)

@@ -11,7 +11,7 @@ import time
 
 from pocketllm import SamplingParams
 
-THREAD_NAME = "pocketllm-scheduler"
+from .harness import THREAD_NAME
 
 
 def _record_threads(llm, monkeypatch) -> list[str]:

@@ -11,7 +11,7 @@ import pytest
 from pocketllm import SamplingParams
 from pocketllm.scheduler.batch_scheduler import BatchScheduler
 
-from .conftest import drain, scheduler_threads
+from .harness import drain, scheduler_threads
 
 
 def test_direct_construction_defaults(make_llm):
