@@ -15,12 +15,14 @@ the model's own weights when an engine starts, and the tests re-measure it.
 """
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
+from ._cases import ROWS, randn, rows
 from ._triton import kernel_device_ok, launch_device_type, tl, triton
+from .spec import Call, Cost, Layout, OpSpec, Step, size
 
 # Rows per GEMM call of the torch backend, one constant per kind of row, so a row's tile shape
 # depends only on whether it is decoded or prefilled, never on the batch. Measured with MKL on 2
@@ -213,3 +215,38 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
         HOST_DOT=device_type == "cpu", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
+
+
+# -- declaration -------------------------------------------------------------------------------------
+
+
+def body_calls(step: Step) -> list[Call]:
+    """The token rows through each matrix of a layer (decode rows here, prefill rows in `prefill_linear`)."""
+    def matrix(features_in: int, features_out: int) -> Callable[[], tuple[Any, ...]]:
+        return lambda: (step.tensor(step.tokens, features_in), step.tensor(features_out, features_in))
+
+    return [Call(f"{step.name}: {name}", matrix(i, o)) for name, i, o in step.matrices()]
+
+
+def _launches(step: Step) -> list[Call]:
+    """Decode rows go through `linear`, and the lm_head rows of every step."""
+    cfg = step.cfg
+    lm_head = Call(f"{step.name}: lm_head", lambda: (step.tensor(step.sequences, cfg.hidden_size),
+                                                     step.tensor(cfg.vocab_size, cfg.hidden_size)))
+    return (body_calls(step) if step.batch.is_decode else []) + [lm_head]
+
+
+def cost(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Cost:
+    """[M, K] x [N, K]: reads x, W (once) and the bias, writes [M, N]; 2·M·N·K FLOPs."""
+    (m, k), n = x.shape, weight.shape[0]
+    return Cost(size(x, weight, bias) + m * n * x.element_size(), 2 * m * n * k)
+
+
+CASES = Layout(
+    rows("x", "k"), None,
+    lambda gen, dims, dtype: {"weight": randn(gen, dims["n"], dims["k"], dtype=dtype, scale=dims["k"] ** -0.5),
+                              "bias": randn(gen, dims["n"], dtype=dtype) if dims["bias"] else None},
+    [({"k": k, "n": n, "bias": bias}, members) for k, n, bias in ((24, 40, False), (67, 33, True))
+     for members in ROWS + [[(1, 0)] * 9]])
+OP = OpSpec("linear", Linear, {"ref": linear_ref, "row_invariant": linear_row_invariant, "per_row": linear_per_row,
+                               "triton": linear_triton}, order=60, cases=CASES, launches=_launches, cost=cost)
