@@ -10,19 +10,22 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 
+from .kernels import backends
 from .kernels.registry import ImplSpec, check_overrides
 from .options import Options, parse_backend_options
 
 # An untrusted config.json's layer count is bounded before anything is built per layer.
 MAX_LAYERS = 4096
 
-Backend = Literal["torch", "triton"]
+# A backend is a name in the registry `kernels.backends.BACKENDS`; a registry, not a Literal, so
+# that a backend is added in one file (EngineArgs checks the name at run time).
+Backend = str
 DTypeName = Literal["float32", "bfloat16", "float16"]
-BACKENDS: tuple[Backend, ...] = get_args(Backend)
+BACKENDS: tuple[Backend, ...] = tuple(backends.BACKENDS)
 DTYPES: dict[DTypeName, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                         "float16": torch.float16}
 
@@ -41,7 +44,7 @@ class EngineArgs:
     """
 
     model: str
-    backend: Backend = "torch"
+    backend: Backend = backends.DEFAULT_BACKEND
     dtype: DTypeName = "float32"
     device: str = "cpu"
     max_seq_len: int = 4096

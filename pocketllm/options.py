@@ -50,12 +50,14 @@ class EngineOptions:
 
 @dataclass(frozen=True)
 class BackendOptions:
-    """How the backend's op table is built."""
+    """How the backend's op table is built. Which backend reads which option is in its record
+    (`kernels.backends.BACKENDS`, `Backend.options`); the others ignore it."""
 
-    batch_invariant: bool = _option(True, "torch backend: fixed-shape row tiles so results do not depend on the batch")
-    invariance_probe: bool = _option(True, "torch backend: check at start-up that the row-wise ops are invariant here")
-    decode_per_row: bool = _option(False, "torch backend: decode rows multiply W one row per call (fastest for "
-                                          "batches of 1-2) instead of in 4-row tiles (fastest from 3 rows on)")
+    batch_invariant: bool = _option(True, "fixed-shape row tiles so results do not depend on the batch")
+    invariance_probe: bool = _option(True, "a backend not invariant by construction: check at start-up that the "
+                                           "row-wise ops are invariant here")
+    decode_per_row: bool = _option(False, "decode rows multiply W one row per call (fastest for batches of 1-2) "
+                                          "instead of in 4-row tiles (fastest from 3 rows on)")
 
 
 @dataclass(frozen=True)
