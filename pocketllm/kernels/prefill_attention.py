@@ -51,17 +51,15 @@ def prefill_attention_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """prefill_attention_ref through torch's fused attention, one call per sequence: the torch
     backend's op. One call per sequence keeps every shape the call sees (and so the fused kernel's
     blocking) a function of that sequence alone; it never builds the [heads, n, n] score matrix the
-    reference does, which made attention a quarter of a 512-token prefill."""
+    reference does, which dominates a long prefill."""
     return _prefill_per_sequence(_sdpa_one, q, k_cache, v_cache, slot_ids, start_positions, cu_seqlens, scale)
 
 
 PREFILL_BLOCK_M = 64  # query rows per prefill tile
 
 # BLOCK_D -> (BLOCK_N keys per block, num_warps), num_stages 2 throughout: fixed per head dim, never
-# chosen by the batch. Sized with `pocketllm lab compile` so no launch spills on sm_80 or sm_90: with
-# 64 keys and 4 warps, d128 (sm_80) and d256 (both) ran out of registers (255 + spills); halving the
-# key block and doubling the warps gives regs/shared sm_80 128/36 KB, sm_90 91/49 KB at d128 and
-# sm_80 185/68 KB, sm_90 173/97 KB at d256 (d64 unchanged: 178/24 KB, 146/41 KB).
+# chosen by the batch. Sized with `pocketllm lab compile` so that no launch spills registers on
+# sm_80 or sm_90: the wider head dims take half the key block and twice the warps of d64.
 PREFILL_TILES = {64: (64, 4), 128: (32, 8), 256: (32, 8)}
 
 
