@@ -10,19 +10,22 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 
+from .kernels import backends
 from .kernels.registry import ImplSpec, check_overrides
 from .options import Options, parse_backend_options
 
 # An untrusted config.json's layer count is bounded before anything is built per layer.
 MAX_LAYERS = 4096
 
-Backend = Literal["torch", "triton"]
+# A backend is a name in the registry `kernels.backends.BACKENDS`; a registry, not a Literal, so
+# that a backend is added in one file (EngineArgs checks the name at run time).
+Backend = str
 DTypeName = Literal["float32", "bfloat16", "float16"]
-BACKENDS: tuple[Backend, ...] = get_args(Backend)
+BACKENDS: tuple[Backend, ...] = tuple(backends.BACKENDS)
 DTYPES: dict[DTypeName, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                         "float16": torch.float16}
 
@@ -41,7 +44,7 @@ class EngineArgs:
     """
 
     model: str
-    backend: Backend = "torch"
+    backend: Backend = backends.DEFAULT_BACKEND
     dtype: DTypeName = "float32"
     device: str = "cpu"
     max_seq_len: int = 4096
@@ -99,6 +102,31 @@ def _check_device(value: Any) -> None:
 
 
 @dataclass(frozen=True)
+class ConfigDefaults:
+    """What a model family's config.json may leave out, as the family's own code assumes it
+    (each family's record in `models.registry` has one; an unknown architecture gets these)."""
+
+    head_dim: int = 128
+    partial_rotary_factor: float = 1.0
+    # Hybrid families: every full_attention_interval-th layer is full attention, the others linear
+    # attention, when config.json has no layer_types. None: every layer is full attention.
+    full_attention_interval: int | None = None
+
+    def layer_types(self, layers: int, interval: int) -> list[str]:
+        if self.full_attention_interval is None:
+            return ["full_attention"] * layers
+        return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+
+
+def _family_defaults(architecture: str) -> ConfigDefaults:
+    """The defaults of the family that loads `architecture`. Imported when a config is parsed, not
+    with this module: the families live with the models, which import this module."""
+    from .models.registry import config_defaults
+
+    return config_defaults(architecture)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The architecture hyper-parameters pocketllm needs, read from a Hugging Face config.json."""
 
@@ -150,17 +178,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None,
                   source: str = "config.json", generation_source: str = "generation_config.json") -> ModelConfig:
-        fields = _Fields(raw, source)
-        architectures = fields.get("architectures", list, [])
-        if architectures and not isinstance(architectures[0], str):
-            fields.fail("architectures", "must be a list of architecture names (str)", architectures)
-        architecture = architectures[0] if architectures else fields.get("model_type", str, "<missing>")
-        text = fields.get("text_config", dict, None)
-        if text is not None:  # multimodal layout: the language model's fields are nested
-            fields = _Fields({**text,
-                              "tie_word_embeddings": raw.get("tie_word_embeddings", text.get("tie_word_embeddings")),
-                              "eos_token_id": text.get("eos_token_id", raw.get("eos_token_id"))},
-                             f"{source} (text_config)")
+        architecture, fields = _language_model_fields(raw, source)
         if fields.get("use_sliding_window", bool, False):
             raise CheckpointError(f"{source}: use_sliding_window=true is not supported")
         rope_fields = _Fields(fields.get("rope_parameters", dict, None) or fields.get("rope_scaling", dict, None) or {},
@@ -174,22 +192,13 @@ class ModelConfig:
         if heads % kv_heads:
             raise CheckpointError(f"{source}: num_attention_heads={heads} is not a multiple of "
                                   f"num_key_value_heads={kv_heads}")
-        hybrid = architecture.startswith("Qwen3_5")
-        layers = fields.positive_int("num_hidden_layers")
-        if layers > MAX_LAYERS:
-            fields.fail("num_hidden_layers", f"must be at most {MAX_LAYERS}", layers)
-        interval = fields.positive_int("full_attention_interval", 4)
-        layer_types = tuple(fields.get("layer_types", list, None) or (
-            ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)] if hybrid
-            else ["full_attention"] * layers))
-        known = ("full_attention", "linear_attention")
-        if len(layer_types) != layers or not all(kind in known for kind in layer_types):
-            raise CheckpointError(f"{source}: layer_types must list 'full_attention'/'linear_attention' for each of "
-                                  f"the {layers} layers, got {_short(list(layer_types))}")
+        defaults = _family_defaults(architecture)
+        layer_types = _layer_types(fields, defaults, source)
+        layers = len(layer_types)
         hidden = fields.positive_int("hidden_size")
-        head_dim = fields.positive_int("head_dim", 256 if hybrid else 128, null=None)
-        partial = rope_fields.positive_float("partial_rotary_factor",
-                                             fields.positive_float("partial_rotary_factor", 0.25 if hybrid else 1.0))
+        head_dim = fields.positive_int("head_dim", defaults.head_dim, null=None)
+        partial = rope_fields.positive_float("partial_rotary_factor", fields.positive_float(
+            "partial_rotary_factor", defaults.partial_rotary_factor))
         cfg = cls(
             architecture=architecture,
             vocab_size=fields.positive_int("vocab_size"),
@@ -215,6 +224,37 @@ class ModelConfig:
         )
         _check_consistent(cfg, source)
         return cfg
+
+
+def _language_model_fields(raw: dict[str, Any], source: str) -> tuple[str, _Fields]:
+    """The architecture name, and the fields of the language model: config.json's own, or in the
+    multimodal layout its nested text_config (with the top level's tie and EOS fields)."""
+    fields = _Fields(raw, source)
+    architectures = fields.get("architectures", list, [])
+    if architectures and not isinstance(architectures[0], str):
+        fields.fail("architectures", "must be a list of architecture names (str)", architectures)
+    architecture = architectures[0] if architectures else fields.get("model_type", str, "<missing>")
+    text = fields.get("text_config", dict, None)
+    if text is not None:
+        fields = _Fields({**text,
+                          "tie_word_embeddings": raw.get("tie_word_embeddings", text.get("tie_word_embeddings")),
+                          "eos_token_id": text.get("eos_token_id", raw.get("eos_token_id"))},
+                         f"{source} (text_config)")
+    return architecture, fields
+
+
+def _layer_types(fields: _Fields, defaults: ConfigDefaults, source: str) -> tuple[str, ...]:
+    """Each layer's kind: config.json's layer_types, else as the family's defaults lay them out."""
+    layers = fields.positive_int("num_hidden_layers")
+    if layers > MAX_LAYERS:
+        fields.fail("num_hidden_layers", f"must be at most {MAX_LAYERS}", layers)
+    interval = fields.positive_int("full_attention_interval", defaults.full_attention_interval or 1)
+    layer_types = tuple(fields.get("layer_types", list, None) or defaults.layer_types(layers, interval))
+    known = ("full_attention", "linear_attention")
+    if len(layer_types) != layers or not all(kind in known for kind in layer_types):
+        raise CheckpointError(f"{source}: layer_types must list 'full_attention'/'linear_attention' for each of "
+                              f"the {layers} layers, got {_short(list(layer_types))}")
+    return layer_types
 
 
 class CheckpointError(ValueError):

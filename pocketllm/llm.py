@@ -16,6 +16,7 @@ import torch
 from .cache import RecurrentCacheSpec, SlotCache, cache_bytes, layer_specs, require_memory
 from .config import EngineArgs, ModelConfig
 from .kernels import get_ops
+from .kernels.backends import get_backend
 from .kernels.probe import ProbeReport, probe_row_invariance
 from .models import build_model
 from .outputs import GenerationResult
@@ -129,7 +130,7 @@ class LLM:
         options = self.args.options.backend
         if not options.batch_invariant:
             return False
-        if self.args.backend != "torch" or not options.invariance_probe:
+        if get_backend(self.args.backend).invariant_by_construction or not options.invariance_probe:
             return True
         ops = self.model.ops
         cfg = self.model_config

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .kernels.grid import POSITION_GRID
+
 
 def _option(default: Any, doc: str, low: int | None = None, high: int | None = None, multiple: int = 1) -> Any:
     """A dataclass field carrying its meaning and, for ints, its allowed range (and step)."""
@@ -33,7 +35,7 @@ class EngineOptions:
                                                 "request, then prefill pieces); at least the longest piece plus "
                                                 "max_batch_size - 1", 1, 1 << 24)
     prefill_chunk_size: int = _option(512, "prompts are cut into pieces at multiples of this many tokens, "
-                                           "request-local (0: not cut)", 0, 1 << 20, 64)
+                                           "request-local (0: not cut)", 0, 1 << 20, POSITION_GRID)
     max_waiting: int = _option(0, "batched mode: a submission beyond this many waiting requests raises "
                                   "QueueFullError (or waits for room, as the caller asks); 0: no limit", 0, 1 << 31)
     max_swap_bytes: int = _option(0, "batched mode: host memory preempted (swapped-out) requests may hold; a "
@@ -43,17 +45,19 @@ class EngineOptions:
     state_snapshot_interval: int = _option(512, "prompts are also cut at multiples of this, the positions a prefix "
                                                 "is reused from; hybrid models keep each slot's Gated DeltaNet "
                                                 "states there (memory per slot in capabilities). 0: reuse at "
-                                                "chunk boundaries, none on hybrid models", 0, 1 << 20, 64)
+                                                "chunk boundaries, none on hybrid models", 0, 1 << 20, POSITION_GRID)
 
 
 @dataclass(frozen=True)
 class BackendOptions:
-    """How the backend's op table is built."""
+    """How the backend's op table is built. Which backend reads which option is in its record
+    (`kernels.backends.BACKENDS`, `Backend.options`); the others ignore it."""
 
-    batch_invariant: bool = _option(True, "torch backend: fixed-shape row tiles so results do not depend on the batch")
-    invariance_probe: bool = _option(True, "torch backend: check at start-up that the row-wise ops are invariant here")
-    decode_per_row: bool = _option(False, "torch backend: decode rows multiply W one row per call (fastest for "
-                                          "batches of 1-2) instead of in 4-row tiles (fastest from 3 rows on)")
+    batch_invariant: bool = _option(True, "fixed-shape row tiles so results do not depend on the batch")
+    invariance_probe: bool = _option(True, "a backend not invariant by construction: check at start-up that the "
+                                           "row-wise ops are invariant here")
+    decode_per_row: bool = _option(False, "decode rows multiply W one row per call (fastest for batches of 1-2) "
+                                          "instead of in 4-row tiles (fastest from 3 rows on)")
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,19 @@
 """Ops, one module each, and the table through which the model calls them.
 
-A backend is a choice of implementation (by name, from `registry.IMPLEMENTATIONS`) for every op;
-`get_ops` builds the table, with any op overridden by a registered name, an import path or a
-callable. The model code never imports an op directly; it calls `ops.<name>` on the table.
+A backend (`backends.BACKENDS`) is a choice of implementation (by name, from
+`registry.IMPLEMENTATIONS`) for every op; `get_ops` builds the table, with any op overridden by a
+registered name, an import path or a callable. The model code never imports an op directly; it
+calls `ops.<name>` on the table.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from . import _triton  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
+from .backends import BACKENDS, get_backend
 from .conv1d_decode import Conv1dDecode
 from .conv1d_prefill import Conv1dPrefill
 from .decode_attention import DecodeAttention
@@ -27,13 +29,18 @@ from .rope_write_kv import RopeWriteKv
 from .sample import Sample
 from .silu_and_mul import SiluAndMul
 
-__all__ = ["IMPLEMENTATIONS", "OP_NAMES", "Ops", "backend_impls", "get_ops", "register", "resolve", "torch_ops",
-           "triton_ops"]
+__all__ = ["BACKENDS", "IMPLEMENTATIONS", "OP_NAMES", "Ops", "backend_impls", "get_ops", "register", "resolve",
+           "torch_ops"]
 
 
 @dataclass(frozen=True)
 class Ops:
-    """The op table the model runs on: one callable per op, typed by the op's signature."""
+    """The op table the model runs on: one callable per op, typed by the op's signature.
+
+    Written out field by field rather than generated from the registry: mypy then checks every
+    `ops.<name>(...)` call in the models against the op's Protocol, which a dataclass made at run
+    time cannot give. The registry is the source of the ops; the check below this class refuses
+    a table that disagrees with it, naming the field to add or remove."""
 
     embedding: Embedding
     rms_norm: RmsNorm
@@ -52,31 +59,22 @@ class Ops:
     rms_norm_gated: RmsNormGated
 
 
-def backend_impls(backend: str, batch_invariant: bool = True, decode_per_row: bool = False) -> dict[str, str]:
-    """op -> implementation name for `backend`.
+if {f.name for f in fields(Ops)} != set(OP_NAMES):
+    raise ImportError(f"kernels.Ops must have one field per registered op: missing "
+                      f"{sorted(set(OP_NAMES) - {f.name for f in fields(Ops)})}, "
+                      f"unregistered {sorted({f.name for f in fields(Ops)} - set(OP_NAMES))}")
 
-    torch: the references, except attention through torch's fused attention and the linear layers
-    in fixed row tiles (`linear.py`): 4-row tiles for decode rows, or one row per call with
-    `decode_per_row`; 64-row tiles for prefill rows. `batch_invariant=False` makes the linear
-    layers one plain GEMM call per batch (a negative control for the invariance tests, and a speed
-    baseline). triton: every op with a Triton kernel uses it (compiled on CUDA, interpreted on
-    CPU); they are batch invariant by construction, so the flags do not apply. The embedding
-    stays a gather: it does no arithmetic."""
-    if backend == "torch":
-        impls = dict.fromkeys(OP_NAMES, "ref")
-        impls.update(prefill_attention="fused", decode_attention="fused")
-        if batch_invariant:
-            impls.update(linear="per_row" if decode_per_row else "row_invariant", prefill_linear="row_invariant")
-        return impls
-    if backend == "triton":
-        return {op: "ref" if op == "embedding" else "triton" for op in OP_NAMES}
-    raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+
+def backend_impls(backend: str, batch_invariant: bool = True, decode_per_row: bool = False) -> dict[str, str]:
+    """op -> implementation name for `backend` (see each backend's record in `backends.py`; the
+    flags are the `backend_options` of the same names, read by the backends that list them)."""
+    return get_backend(backend).select(IMPLEMENTATIONS, batch_invariant, decode_per_row)
 
 
 def get_ops(backend: str, batch_invariant: bool = True, decode_per_row: bool = False,
             overrides: Mapping[str, ImplSpec] | None = None) -> Ops:
-    """The op table of `backend` ("torch" or "triton"; the flags are the torch backend's), with
-    each op in `overrides` replaced (a registered name, "module:function" or a callable)."""
+    """The op table of `backend` (a name in `BACKENDS`), with each op in `overrides` replaced (a
+    registered name, "module:function" or a callable)."""
     table: dict[str, Callable[..., Any]] = {op: IMPLEMENTATIONS[op][name]
                                             for op, name in backend_impls(backend, batch_invariant,
                                                                           decode_per_row).items()}
@@ -87,8 +85,3 @@ def get_ops(backend: str, batch_invariant: bool = True, decode_per_row: bool = F
 def torch_ops(batch_invariant: bool = True, decode_per_row: bool = False) -> Ops:
     """The torch backend's table (see `backend_impls`)."""
     return get_ops("torch", batch_invariant, decode_per_row)
-
-
-def triton_ops() -> Ops:
-    """The Triton backend's table (see `backend_impls`)."""
-    return get_ops("triton")

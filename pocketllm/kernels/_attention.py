@@ -112,3 +112,7 @@ def _check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     check_dtype(q.dtype, k_cache=k_cache, v_cache=v_cache)
     return check_groups(q.shape[1], k_cache.shape[2])
 
+
+def kv_bytes(k_cache: torch.Tensor, positions: int) -> int:
+    """K and V bytes of `positions` cached tokens (the roofline of both attention ops)."""
+    return 2 * positions * k_cache[0, 0].numel() * k_cache.element_size()

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .pointwise import elementwise_invariant
+from .spec import Cost, size
 
 
 def _conv_window(window: torch.Tensor, weight: torch.Tensor, steps: int) -> torch.Tensor:
@@ -37,3 +38,10 @@ def _check_conv_args(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.T
                          f"{tuple(conv_states.shape)}: need [T, C], [C, K], [slots, C, K - 1]")
     return kernel
 
+
+def conv1d_cost(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, slot_ids: torch.Tensor,
+                *indices: torch.Tensor) -> Cost:
+    """Reads x [T, C], the taps and each sequence's state, writes [T, C] and the states; K
+    multiply-adds and a silu (~4) an output: (2K + 4)·T·C FLOPs. Both conv1d ops."""
+    width, states = weight.shape[1], slot_ids.numel() * conv_states[0].numel() * conv_states.element_size()
+    return Cost(2 * size(x) + size(weight, slot_ids, *indices) + 2 * states, (2 * width + 4) * x.numel())

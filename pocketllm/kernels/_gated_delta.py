@@ -9,8 +9,10 @@ Value heads outnumber key heads in groups: value head h reads key head h // (Hv 
 import torch
 
 from .checks import check_dtype, check_groups, check_shape
+from .grid import POSITION_GRID
+from .spec import Cost, size
 
-CHUNK_SIZE = 64
+CHUNK_SIZE = POSITION_GRID  # chunks sit on the position grid, so a cut on it leaves them whole
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -41,3 +43,14 @@ def _check_gated_delta_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     check_dtype(torch.float32, states=states)
     return check_groups(num_v_heads, key_heads, "value heads", "key heads")
 
+
+def gated_delta_cost(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     states: torch.Tensor, slot_ids: torch.Tensor, *indices: torch.Tensor) -> Cost:
+    """Reads q, k, v, g, beta and each sequence's fp32 state [Hv, Dk, Dv], writes [T, Hv, Dv] and the
+    states. The recurrent form per token and value head: decay S (Dk·Dv), S^T k (2·Dk·Dv), the
+    rank-1 update (2·Dk·Dv), S^T q (2·Dk·Dv): 7·Dk·Dv FLOPs. Both gated delta ops."""
+    state_bytes = slot_ids.numel() * states[0].numel() * states.element_size()
+    tokens, v_heads, dim_v = v.shape
+    written = tokens * v_heads * dim_v * v.element_size()
+    return Cost(size(q, k, v, g, beta, slot_ids, *indices) + written + 2 * state_bytes,
+                7 * tokens * v_heads * states.shape[2] * dim_v)

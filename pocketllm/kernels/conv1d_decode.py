@@ -6,9 +6,11 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ._conv1d import BLOCK_C_STATE, _check_conv_args
+from ._cases import conv_shared, conv_slot, decode_grid, rows
+from ._conv1d import BLOCK_C_STATE, _check_conv_args, conv1d_cost
 from ._triton import kernel_device_ok, tl, triton
 from .pointwise import elementwise_invariant
+from .spec import Call, Layout, OpSpec, Step
 
 
 class Conv1dDecode(Protocol):
@@ -85,3 +87,15 @@ def conv1d_decode_triton(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
         K=kernel, BLOCK_C=BLOCK_C_STATE, enable_fp_fusion=False)
     return out
 
+
+def _launches(step: Step) -> list[Call]:
+    if not step.linear_attention or not step.batch.is_decode:
+        return []
+    return [Call(step.name, lambda: (step.gdn_in_proj()[0], *step.conv_state(), step.batch.slot_ids))]
+
+
+OP = OpSpec("conv1d_decode", Conv1dDecode, {"ref": conv1d_decode_ref, "triton": conv1d_decode_triton}, order=100,
+            cases=Layout(rows("x", "channels"), conv_slot, conv_shared,
+                         [({"channels": c, "width": w}, decode_grid(lengths)) for c, w in ((8, 4), (300, 3))
+                          for lengths in ([1], [5, 1, 9, 2])]),
+            launches=_launches, cost=conv1d_cost)

@@ -5,8 +5,10 @@ from typing import Protocol
 
 import torch
 
-from ._conv1d import BLOCK_C_STATE, _check_conv_args, _conv_window
+from ._cases import conv_shared, conv_slot, rows
+from ._conv1d import BLOCK_C_STATE, _check_conv_args, _conv_window, conv1d_cost
 from ._triton import kernel_device_ok, tl, triton
+from .spec import Call, Layout, OpSpec, Step
 
 
 class Conv1dPrefill(Protocol):
@@ -147,3 +149,17 @@ def conv1d_prefill_triton(x: torch.Tensor, weight: torch.Tensor, conv_states: to
         K=kernel, BLOCK_C=BLOCK_C_STATE)
     return out
 
+
+def _launches(step: Step) -> list[Call]:
+    if not step.linear_attention or step.batch.is_decode:
+        return []
+    return [Call(step.name, lambda: (step.gdn_in_proj()[0], *step.conv_state(), step.batch.slot_ids,
+                                     step.batch.cu_seqlens))]
+
+
+OP = OpSpec("conv1d_prefill", Conv1dPrefill, {"ref": conv1d_prefill_ref, "triton": conv1d_prefill_triton},
+            order=90, cases=Layout(
+                rows("x", "channels"), conv_slot, conv_shared,
+                [({"channels": c, "width": w}, seqs) for c, w in ((8, 4), (130, 3), (20, 2))
+                 for seqs in ([(1, 0)], [(5, 0), (70, 3), (2, 0)])], splittable=True),
+            launches=_launches, cost=conv1d_cost)

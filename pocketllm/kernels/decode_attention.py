@@ -21,9 +21,12 @@ from ._attention import (
     _dot_precision,
     _sdpa_one,
     _softmax_start,
+    kv_bytes,
 )
+from ._cases import HEADS, attention_shared, decode_grid, kv_slot, randn
 from ._triton import kernel_device_ok, tl, triton
 from .checks import check_shape
+from .spec import Call, Cost, Layout, OpSpec, Step, size
 
 
 class DecodeAttention(Protocol):
@@ -165,3 +168,33 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         HEAD_DIM=head_dim, SPLIT_SIZE=split_size, BLOCK_D=block_d)
     return out
 
+
+# -- declaration -------------------------------------------------------------------------------------
+
+
+def _launches(step: Step) -> list[Call]:
+    cfg, batch = step.cfg, step.batch
+    if not batch.is_decode:
+        return []
+    return [Call(step.name, lambda: (step.tensor(step.tokens, cfg.num_attention_heads, cfg.head_dim),
+                                     step.kv_cache(), step.kv_cache(), batch.slot_ids, batch.start_positions + 1,
+                                     cfg.head_dim ** -0.5))]
+
+
+def _cost(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
+          seq_lens: torch.Tensor, scale: float) -> Cost:
+    """Reads q and the first seq_len positions of each sequence's K and V (not the whole cache),
+    writes q's shape; 4·heads·D FLOPs a key per query row (q·k and p·v)."""
+    keys = int(seq_lens.sum())
+    heads, d = q.shape[1], q.shape[2]
+    return Cost(2 * size(q) + kv_bytes(k_cache, keys) + size(slot_ids, seq_lens), 4 * heads * d * keys)
+
+
+OP = OpSpec("decode_attention", DecodeAttention,
+            {"ref": decode_attention_ref, "fused": decode_attention_fused, "triton": decode_attention_triton},
+            order=40, cases=Layout(
+                lambda gen, n, dims, dtype: {"q": randn(gen, n, dims["heads"], dims["head_dim"], dtype=dtype)},
+                kv_slot, attention_shared,
+                [({**heads, "max_len": 300}, decode_grid(lengths)) for heads in HEADS
+                 for lengths in ([1], [1, 64, 65, 257], [300, 2, 129])]),
+            launches=_launches, cost=_cost)

@@ -6,10 +6,12 @@ from typing import Protocol
 
 import torch
 
-from ._gated_delta import _check_gated_delta_args, _l2norm
+from ._cases import GDN, decode_grid, gdn_slot, gdn_tokens, no_shared
+from ._gated_delta import _check_gated_delta_args, _l2norm, gated_delta_cost
 from ._triton import kernel_device_ok, tl, triton
 from .checks import check_shape
 from .pointwise import elementwise_invariant
+from .spec import Call, Layout, OpSpec, Step
 
 
 class GatedDeltaDecode(Protocol):
@@ -98,3 +100,15 @@ def gated_delta_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         BLOCK_DV=block_dv)
     return out
 
+
+def _launches(step: Step) -> list[Call]:
+    if not step.linear_attention or not step.batch.is_decode:
+        return []
+    return [Call(step.name, lambda: (*step.gated_delta_args(), step.batch.slot_ids))]
+
+
+OP = OpSpec("gated_delta_decode", GatedDeltaDecode,
+            {"ref": gated_delta_decode_ref, "triton": gated_delta_decode_triton}, order=120,
+            cases=Layout(gdn_tokens, gdn_slot, no_shared,
+                         [(dims, decode_grid(lengths)) for dims in GDN for lengths in ([1], [3, 1, 70, 2])]),
+            launches=_launches, cost=gated_delta_cost)

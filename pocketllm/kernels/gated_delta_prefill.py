@@ -12,9 +12,11 @@ from typing import Protocol
 
 import torch
 
-from ._gated_delta import CHUNK_SIZE, _check_gated_delta_args, _prepare
+from ._cases import GDN, gdn_slot, gdn_tokens, no_shared
+from ._gated_delta import CHUNK_SIZE, _check_gated_delta_args, _prepare, gated_delta_cost
 from ._triton import kernel_device_ok, tl, triton
 from .checks import check_shape
+from .spec import Call, Layout, OpSpec, Step
 
 
 class GatedDeltaPrefill(Protocol):
@@ -248,3 +250,18 @@ def gated_delta_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         num_warps=PREFILL_NUM_WARPS)
     return out
 
+
+def _launches(step: Step) -> list[Call]:
+    batch = step.batch
+    if not step.linear_attention or batch.is_decode:
+        return []
+    return [Call(step.name, lambda: (*step.gated_delta_args(), batch.slot_ids, batch.start_positions,
+                                     batch.cu_seqlens))]
+
+
+OP = OpSpec("gated_delta_prefill", GatedDeltaPrefill,
+            {"ref": gated_delta_prefill_ref, "triton": gated_delta_prefill_triton}, order=110,
+            cases=Layout(gdn_tokens, gdn_slot, no_shared,
+                         [(dims, seqs) for dims in GDN
+                          for seqs in ([(1, 0)], [(5, 0), (70, 3), (1, 64)], [(130, 0), (63, 1)])], splittable=True),
+            launches=_launches, cost=gated_delta_cost)

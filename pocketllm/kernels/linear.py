@@ -3,30 +3,30 @@
 `linear_ref` is the plain reference. `linear_row_invariant` (decode rows, and the lm_head) and
 `prefill_linear_row_invariant` (the token rows of a prefill) are what the torch backend runs. CPU
 BLAS picks its GEMM algorithm (blocking, micro-kernel, thread split) from the call's shape, so a
-row's bits can change with how many other rows share the call: MKL on AMD EPYC changes below 12
-rows, MKL on Intel AVX-512 changes again from 100 or 257 rows, and other BLAS libraries have their
-own thresholds. No threshold measured on one CPU holds on another, so the torch backend does not
-rely on any: it cuts the rows into tiles of a fixed number of rows (the last one zero-padded) and
-makes one GEMM call per tile. Every call has the same shape, strides and alignment whatever the
-batch, so the BLAS takes the same path for every tile. What is left to the BLAS is that a row's
+row's bits can change with how many other rows share the call, at row counts that differ between
+CPUs and BLAS libraries. No threshold measured on one CPU holds on another, so the torch backend
+does not rely on any: it cuts the rows into tiles of a fixed number of rows (the last one
+zero-padded) and makes one GEMM call per tile. Every call has the same shape, strides and
+alignment whatever the batch, so the BLAS takes the same path for every tile. What is left to the BLAS is that a row's
 result does not depend on its position inside a tile; `kernels/probe.py` checks exactly that on
 the model's own weights when an engine starts, and the tests re-measure it.
 `linear_triton` is the Triton kernel, row invariant by construction (fixed tiles, no split-K).
 """
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
+from ._cases import ROWS, randn, rows
 from ._triton import kernel_device_ok, launch_device_type, tl, triton
+from .spec import Call, Cost, Layout, OpSpec, Step, size
 
 # Rows per GEMM call of the torch backend, one constant per kind of row, so a row's tile shape
-# depends only on whether it is decoded or prefilled, never on the batch. Measured with MKL on 2
-# cores: a 4-row tile costs about what one row does (the call is bound by reading W) and at 8 rows
-# beats one plain call; a 64-row tile keeps a 512-token prefill within 1.3x of one big call, where
-# 16-row tiles took 2x.
+# depends only on whether it is decoded or prefilled, never on the batch. Decode tiles are small
+# because a decode call is bound by reading W, so a few rows cost about what one does; prefill
+# tiles are large enough that a long prompt's many calls stay close to one big call.
 DECODE_ROW_TILE = 4
 PREFILL_ROW_TILE = 64
 # Alignment of the staged input's rows and of loaded weights, in bytes: every tile and every weight
@@ -61,8 +61,7 @@ def linear_row_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     """[M, K] x [N, K] (+ [N]) -> [M, N], one fixed-shape GEMM (W @ tile^T) per `row_tile` rows.
 
     A row's bits depend on its values, W, b and `row_tile` only: never on M, nor on which tile it
-    lands in. W @ x^T rather than x @ W^T: MKL's GEMM is 2-3x faster in that orientation at decode
-    sizes.
+    lands in. W @ x^T rather than x @ W^T: MKL's GEMM is faster in that orientation at decode sizes.
     """
     rows = x.shape[0]
     num_tiles = max(1, -(-rows // row_tile))
@@ -80,8 +79,8 @@ def linear_row_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 def _fp32_row_product() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """[1, K] x [N, K] -> [1, N] in fp32 on the CPU by the fastest matrix-vector product this torch
-    has: oneDNN's linear (measured on AMD EPYC: it streams W at ~30 GB/s, MKL's GEMV at ~20), else
-    F.linear. (oneDNN has no fp16 product on CPUs without AVX-512 FP16, so other dtypes take F.linear.)"""
+    has: oneDNN's linear (it streams W faster than MKL's GEMV), else F.linear. (oneDNN has no fp16
+    product on CPUs without AVX-512 FP16, so other dtypes take F.linear.)"""
     dnn = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
     if dnn is None:
         return F.linear
@@ -103,7 +102,7 @@ def linear_per_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     on a 64-byte aligned copy of the row, so a row's bits depend on its values, W and b only, with
     nothing left to the library but computing the same call the same way. It is the fastest
     product for one row (W is streamed once, at the matrix-vector rate); a batch of B rows reads
-    W from memory once and from the cache B - 1 times, which costs more than 4-row tiles from B = 3.
+    W from memory once and from the cache B - 1 times, which soon costs more than 4-row tiles.
     """
     rows, n = x.shape[0], weight.shape[0]
     product = FP32_ROW_PRODUCT if weight.dtype == torch.float32 and weight.device.type == "cpu" else F.linear
@@ -213,3 +212,38 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
         HOST_DOT=device_type == "cpu", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
+
+
+# -- declaration -------------------------------------------------------------------------------------
+
+
+def body_calls(step: Step) -> list[Call]:
+    """The token rows through each matrix of a layer (decode rows here, prefill rows in `prefill_linear`)."""
+    def matrix(features_in: int, features_out: int) -> Callable[[], tuple[Any, ...]]:
+        return lambda: (step.tensor(step.tokens, features_in), step.tensor(features_out, features_in))
+
+    return [Call(f"{step.name}: {name}", matrix(i, o)) for name, i, o in step.matrices()]
+
+
+def _launches(step: Step) -> list[Call]:
+    """Decode rows go through `linear`, and the lm_head rows of every step."""
+    cfg = step.cfg
+    lm_head = Call(f"{step.name}: lm_head", lambda: (step.tensor(step.sequences, cfg.hidden_size),
+                                                     step.tensor(cfg.vocab_size, cfg.hidden_size)))
+    return (body_calls(step) if step.batch.is_decode else []) + [lm_head]
+
+
+def cost(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Cost:
+    """[M, K] x [N, K]: reads x, W (once) and the bias, writes [M, N]; 2·M·N·K FLOPs."""
+    (m, k), n = x.shape, weight.shape[0]
+    return Cost(size(x, weight, bias) + m * n * x.element_size(), 2 * m * n * k)
+
+
+CASES = Layout(
+    rows("x", "k"), None,
+    lambda gen, dims, dtype: {"weight": randn(gen, dims["n"], dims["k"], dtype=dtype, scale=dims["k"] ** -0.5),
+                              "bias": randn(gen, dims["n"], dtype=dtype) if dims["bias"] else None},
+    [({"k": k, "n": n, "bias": bias}, members) for k, n, bias in ((24, 40, False), (67, 33, True))
+     for members in ROWS + [[(1, 0)] * 9]])
+OP = OpSpec("linear", Linear, {"ref": linear_ref, "row_invariant": linear_row_invariant, "per_row": linear_per_row,
+                               "triton": linear_triton}, order=60, cases=CASES, launches=_launches, cost=cost)

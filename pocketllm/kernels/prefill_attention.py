@@ -21,9 +21,12 @@ from ._attention import (
     _prefill_per_sequence,
     _sdpa_one,
     _softmax_start,
+    kv_bytes,
 )
+from ._cases import HEADS, attention_shared, kv_slot, randn
 from ._triton import kernel_device_ok, tl, triton
 from .checks import check_shape
+from .spec import Call, Cost, Layout, OpSpec, Step, size
 
 
 class PrefillAttention(Protocol):
@@ -48,17 +51,15 @@ def prefill_attention_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """prefill_attention_ref through torch's fused attention, one call per sequence: the torch
     backend's op. One call per sequence keeps every shape the call sees (and so the fused kernel's
     blocking) a function of that sequence alone; it never builds the [heads, n, n] score matrix the
-    reference does, which made attention a quarter of a 512-token prefill."""
+    reference does, which dominates a long prefill."""
     return _prefill_per_sequence(_sdpa_one, q, k_cache, v_cache, slot_ids, start_positions, cu_seqlens, scale)
 
 
 PREFILL_BLOCK_M = 64  # query rows per prefill tile
 
 # BLOCK_D -> (BLOCK_N keys per block, num_warps), num_stages 2 throughout: fixed per head dim, never
-# chosen by the batch. Sized with `pocketllm lab compile` so no launch spills on sm_80 or sm_90: with
-# 64 keys and 4 warps, d128 (sm_80) and d256 (both) ran out of registers (255 + spills); halving the
-# key block and doubling the warps gives regs/shared sm_80 128/36 KB, sm_90 91/49 KB at d128 and
-# sm_80 185/68 KB, sm_90 173/97 KB at d256 (d64 unchanged: 178/24 KB, 146/41 KB).
+# chosen by the batch. Sized with `pocketllm lab compile` so that no launch spills registers on
+# sm_80 or sm_90: the wider head dims take half the key block and twice the warps of d64.
 PREFILL_TILES = {64: (64, 4), 128: (32, 8), 256: (32, 8)}
 
 
@@ -163,3 +164,37 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=2)
     return out
 
+
+# -- declaration -------------------------------------------------------------------------------------
+
+
+def _launches(step: Step) -> list[Call]:
+    cfg, batch = step.cfg, step.batch
+    if batch.is_decode:
+        return []
+    return [Call(step.name, lambda: (step.tensor(step.tokens, cfg.num_attention_heads, cfg.head_dim),
+                                     step.kv_cache(), step.kv_cache(), batch.slot_ids, batch.start_positions,
+                                     batch.cu_seqlens, cfg.head_dim ** -0.5))]
+
+
+def _cost(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
+          start_positions: torch.Tensor, cu_seqlens: torch.Tensor, scale: float) -> Cost:
+    """Reads q and each sequence's K and V up to its last new token, writes q's shape. Causal: the
+    row at position p sees p + 1 keys, so n rows after s cached see n·s + n(n+1)/2 keys in all;
+    4·heads·D FLOPs a key seen."""
+    starts, lengths = start_positions.tolist(), (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    positions = sum(s + n for s, n in zip(starts, lengths))
+    seen = sum(n * s + n * (n + 1) // 2 for s, n in zip(starts, lengths))
+    heads, d = q.shape[1], q.shape[2]
+    indices = size(slot_ids, start_positions, cu_seqlens)
+    return Cost(2 * size(q) + kv_bytes(k_cache, positions) + indices, 4 * heads * d * seen)
+
+
+OP = OpSpec("prefill_attention", PrefillAttention,
+            {"ref": prefill_attention_ref, "fused": prefill_attention_fused, "triton": prefill_attention_triton},
+            order=30, cases=Layout(
+                lambda gen, n, dims, dtype: {"q": randn(gen, n, dims["heads"], dims["head_dim"], dtype=dtype)},
+                kv_slot, attention_shared,
+                [({**heads, "max_len": 160}, seqs) for heads in HEADS
+                 for seqs in ([(1, 0)], [(5, 0), (70, 0), (1, 9)], [(3, 64), (66, 64), (130, 0)])], splittable=True),
+            launches=_launches, cost=_cost)

@@ -7,7 +7,9 @@ Triton kernel is the same as `linear`'s. The signature is `linear.Linear`.
 
 import torch
 
-from .linear import PREFILL_ROW_TILE, linear_ref, linear_row_invariant, linear_triton
+from . import linear
+from .linear import PREFILL_ROW_TILE, Linear, linear_ref, linear_row_invariant, linear_triton
+from .spec import Call, OpSpec, Step
 
 # The same product as `linear`'s reference and kernel: only the torch backend tiles prefill rows apart.
 prefill_linear_ref = linear_ref
@@ -18,3 +20,12 @@ def prefill_linear_row_invariant(x: torch.Tensor, weight: torch.Tensor,
                                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """linear_row_invariant in PREFILL_ROW_TILE-row tiles, for the token rows of a prefill."""
     return linear_row_invariant(x, weight, bias, PREFILL_ROW_TILE)
+
+
+def _launches(step: Step) -> list[Call]:
+    return [] if step.batch.is_decode else linear.body_calls(step)
+
+
+OP = OpSpec("prefill_linear", Linear, {"ref": prefill_linear_ref, "row_invariant": prefill_linear_row_invariant,
+                                       "triton": prefill_linear_triton}, order=70, cases=linear.CASES,
+            launches=_launches, cost=linear.cost)

@@ -1,12 +1,14 @@
 """The op registry: every op's signature and its named implementations, in one place.
 
 An op `name` lives in the module `pocketllm/kernels/<name>.py`, which defines the op's signature
-(a `Protocol` whose `__call__` is the call the model makes) and its implementations side by side:
-`<name>_ref` (the reference every other implementation is tested against), `<name>_triton`, and
-any other variant the module has (modules whose names start with `_` hold what two ops share).
-`IMPLEMENTATIONS` below names them; `register` adds a variant from outside the package (a
-notebook, a test file), and `resolve` turns what a user writes in `EngineArgs(op_overrides=...)`
-— a registered name, "module:function", or a callable — into a checked callable.
+(a `Protocol` whose `__call__` is the call the model makes), its implementations side by side
+(`<name>_ref`, the reference every other implementation is tested against, `<name>_triton`, and
+any other variant) and one `OP` record (`spec.OpSpec`) naming them. The registry finds the op
+modules by scanning the package (modules whose names start with `_` hold what two ops share), so
+adding an op touches no list here. `IMPLEMENTATIONS` below names them; `register` adds a variant
+from outside the package (a notebook, a test file), and `resolve` turns what a user writes in
+`EngineArgs(op_overrides=...)` — a registered name, "module:function", or a callable — into a
+checked callable.
 """
 
 from __future__ import annotations
@@ -14,71 +16,37 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import pkgutil
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
-from . import (
-    conv1d_decode,
-    conv1d_prefill,
-    decode_attention,
-    embedding,
-    gated_delta_decode,
-    gated_delta_prefill,
-    linear,
-    prefill_attention,
-    prefill_linear,
-    rms_norm,
-    rms_norm_gated,
-    rope_write_kv,
-    sample,
-    silu_and_mul,
-)
+from .spec import OpSpec
 
+
+def _discover() -> dict[str, OpSpec]:
+    """The `OP` record of every op module of this package, in the model's order (`OpSpec.order`)."""
+    specs = []
+    for module_info in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        if module_info.name.startswith("_"):
+            continue
+        spec = getattr(importlib.import_module(f"{__package__}.{module_info.name}"), "OP", None)
+        if isinstance(spec, OpSpec):
+            if spec.name != module_info.name:
+                raise ImportError(f"kernels/{module_info.name}.py declares op {spec.name!r}: an op is named "
+                                  "after its module")
+            specs.append(spec)
+    return {spec.name: spec for spec in sorted(specs, key=lambda spec: spec.order)}
+
+
+SPECS: dict[str, OpSpec] = _discover()
 # op name -> its signature (a Protocol). The order is the model's: embedding first, sample last.
-SIGNATURES: dict[str, type] = {
-    "embedding": embedding.Embedding,
-    "rms_norm": rms_norm.RmsNorm,
-    "rope_write_kv": rope_write_kv.RopeWriteKv,
-    "prefill_attention": prefill_attention.PrefillAttention,
-    "decode_attention": decode_attention.DecodeAttention,
-    "silu_and_mul": silu_and_mul.SiluAndMul,
-    "linear": linear.Linear,
-    "prefill_linear": linear.Linear,
-    "sample": sample.Sample,
-    "conv1d_prefill": conv1d_prefill.Conv1dPrefill,
-    "conv1d_decode": conv1d_decode.Conv1dDecode,
-    "gated_delta_prefill": gated_delta_prefill.GatedDeltaPrefill,
-    "gated_delta_decode": gated_delta_decode.GatedDeltaDecode,
-    "rms_norm_gated": rms_norm_gated.RmsNormGated,
-}
+SIGNATURES: dict[str, type] = {name: spec.signature for name, spec in SPECS.items()}
 OP_NAMES: tuple[str, ...] = tuple(SIGNATURES)
 
-# op name -> implementation name -> function. "ref" is the reference of every op.
-IMPLEMENTATIONS: dict[str, dict[str, Callable[..., Any]]] = {
-    "embedding": {"ref": embedding.embedding_ref},
-    "rms_norm": {"ref": rms_norm.rms_norm_ref, "triton": rms_norm.rms_norm_triton},
-    "rope_write_kv": {"ref": rope_write_kv.rope_write_kv_ref, "triton": rope_write_kv.rope_write_kv_triton},
-    "prefill_attention": {"ref": prefill_attention.prefill_attention_ref,
-                          "fused": prefill_attention.prefill_attention_fused,
-                          "triton": prefill_attention.prefill_attention_triton},
-    "decode_attention": {"ref": decode_attention.decode_attention_ref,
-                         "fused": decode_attention.decode_attention_fused,
-                         "triton": decode_attention.decode_attention_triton},
-    "silu_and_mul": {"ref": silu_and_mul.silu_and_mul_ref, "triton": silu_and_mul.silu_and_mul_triton},
-    "linear": {"ref": linear.linear_ref, "row_invariant": linear.linear_row_invariant,
-               "per_row": linear.linear_per_row, "triton": linear.linear_triton},
-    "prefill_linear": {"ref": prefill_linear.prefill_linear_ref,
-                       "row_invariant": prefill_linear.prefill_linear_row_invariant,
-                       "triton": prefill_linear.prefill_linear_triton},
-    "sample": {"ref": sample.sample_ref, "triton": sample.sample_triton},
-    "conv1d_prefill": {"ref": conv1d_prefill.conv1d_prefill_ref, "triton": conv1d_prefill.conv1d_prefill_triton},
-    "conv1d_decode": {"ref": conv1d_decode.conv1d_decode_ref, "triton": conv1d_decode.conv1d_decode_triton},
-    "gated_delta_prefill": {"ref": gated_delta_prefill.gated_delta_prefill_ref,
-                            "triton": gated_delta_prefill.gated_delta_prefill_triton},
-    "gated_delta_decode": {"ref": gated_delta_decode.gated_delta_decode_ref,
-                           "triton": gated_delta_decode.gated_delta_decode_triton},
-    "rms_norm_gated": {"ref": rms_norm_gated.rms_norm_gated_ref, "triton": rms_norm_gated.rms_norm_gated_triton},
-}
+# op name -> implementation name -> function. "ref" is the reference of every op; `register` adds here.
+IMPLEMENTATIONS: dict[str, dict[str, Callable[..., Any]]] = {name: dict(spec.implementations)
+                                                             for name, spec in SPECS.items()}
 
 ImplSpec = str | Callable[..., Any]
 

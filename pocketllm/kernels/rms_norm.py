@@ -4,11 +4,13 @@ The Hugging Face Qwen convention: normalise in fp32, cast back to the input dtyp
 `rms_norm_triton` is the Triton kernel: one program per row, the whole row in one block.
 """
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
+from ._cases import ROWS, randn, rows
 from ._triton import kernel_device_ok, tl, triton
+from .spec import Call, Cost, Layout, OpSpec, Step, size
 
 
 class RmsNorm(Protocol):
@@ -63,3 +65,25 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
                               BLOCK=triton.next_power_of_2(h))
     return out
 
+
+def _launches(step: Step) -> list[Call]:
+    cfg, eps = step.cfg, step.cfg.rms_norm_eps
+
+    def hidden_rows(n: int) -> tuple[Any, ...]:
+        return step.tensor(n, cfg.hidden_size), step.tensor(cfg.hidden_size), eps
+
+    return [Call(f"{step.name}: hidden", lambda: hidden_rows(step.tokens)),
+            Call(f"{step.name}: q norm", lambda: (step.attention_views()[0], step.tensor(cfg.head_dim), eps)),
+            Call(f"{step.name}: k norm", lambda: (step.attention_views()[1], step.tensor(cfg.head_dim), eps)),
+            Call(f"{step.name}: final norm", lambda: hidden_rows(step.sequences))]
+
+
+def _cost(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Cost:
+    """Reads x and the weight, writes x's shape; ~4 FLOPs an element (square, sum, two scalings)."""
+    return Cost(2 * size(x) + size(weight), 4 * x.numel())
+
+
+OP = OpSpec("rms_norm", RmsNorm, {"ref": rms_norm_ref, "triton": rms_norm_triton}, order=10, cases=Layout(
+    rows("x", "hidden"), None,
+    lambda gen, dims, dtype: {"weight": randn(gen, dims["hidden"], dtype=dtype), "eps": 1e-6},
+    [({"hidden": h}, members) for h in (1, 24, 100) for members in ROWS]), launches=_launches, cost=_cost)

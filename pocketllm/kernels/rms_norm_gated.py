@@ -1,12 +1,14 @@
 """Op `rms_norm_gated`: the gated RMSNorm of Gated DeltaNet outputs, rms_norm(x) * silu(gate)."""
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
+from ._cases import ROWS, randn
 from ._triton import kernel_device_ok, tl, triton
 from .pointwise import elementwise_invariant
 from .rms_norm import rms_norm_ref
+from .spec import Call, Cost, Layout, OpSpec, Step, size
 
 
 class RmsNormGated(Protocol):
@@ -78,3 +80,29 @@ def rms_norm_gated_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
         ROUND_MID=mid == x.dtype, BLOCK=triton.next_power_of_2(h))
     return out
 
+
+def _launches(step: Step) -> list[Call]:
+    """The gated norm of each Gated DeltaNet layer: the delta rule's output, gated by z."""
+    if not step.linear_attention:
+        return []
+
+    def args() -> tuple[Any, ...]:
+        _, z = step.gdn_in_proj()
+        out = step.tensor(*z.shape)  # the gated delta rule's output
+        return out, z, step.tensor(step.cfg.linear_value_head_dim), step.cfg.rms_norm_eps
+
+    return [Call(step.name, args)]
+
+
+def _cost(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> Cost:
+    """Reads x, the gate and the weight, writes x's shape; ~9 FLOPs an element (norm 4, silu 4, product)."""
+    return Cost(2 * size(x) + size(gate, weight), 9 * x.numel())
+
+
+OP = OpSpec("rms_norm_gated", RmsNormGated, {"ref": rms_norm_gated_ref, "triton": rms_norm_gated_triton}, order=130,
+            cases=Layout(
+                lambda gen, n, dims, dtype: {"x": randn(gen, n, dims["hidden"], dtype=dtype),
+                                             "gate": randn(gen, n, dims["hidden"], dtype=dtype)}, None,
+                lambda gen, dims, dtype: {"weight": randn(gen, dims["hidden"], dtype=dtype), "eps": 1e-6},
+                [({"hidden": h}, members) for h in (8, 24, 100) for members in ROWS]),
+            launches=_launches, cost=_cost)

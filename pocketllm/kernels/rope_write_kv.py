@@ -7,12 +7,14 @@ bytes every later step will read too.
 writes k and v into the cache, in one launch.
 """
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
+from ._cases import HEADS, randn
 from ._triton import kernel_device_ok, tl, triton
-from .rope import apply_rope_ref
+from .rope import apply_rope_ref, rope_table
+from .spec import Call, Cost, Layout, OpSpec, Step, size
 
 
 class RopeWriteKv(Protocol):
@@ -164,3 +166,47 @@ def rope_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posi
         BLOCK_PASS=triton.next_power_of_2(max(dim - rotary, 1)), BLOCK_D=triton.next_power_of_2(dim),
         enable_fp_fusion=False)
     return out
+
+
+# -- declaration -------------------------------------------------------------------------------------
+
+
+def _case_tokens(gen: torch.Generator, n: int, dims: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {"q": randn(gen, n, dims["heads"], dims["head_dim"], dtype=dtype),
+            "k": randn(gen, n, dims["kv_heads"], dims["head_dim"], dtype=dtype),
+            "v": randn(gen, n, dims["kv_heads"], dims["head_dim"], dtype=dtype)}
+
+
+def _case_slots(gen: torch.Generator, start: int, n: int, dims: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    shape = (dims["max_len"], dims["kv_heads"], dims["head_dim"])
+    return {"k_cache": torch.zeros(shape, dtype=dtype), "v_cache": torch.zeros(shape, dtype=dtype)}
+
+
+def _launches(step: Step) -> list[Call]:
+    def args() -> tuple[Any, ...]:
+        q, k, v = step.attention_views()  # q and k are normed into new tensors first
+        table = step.tensor(step.max_seq_len, step.cfg.rotary_dim, dtype=torch.float32)
+        return (step.tensor(*q.shape), step.tensor(*k.shape), v, step.batch.positions, table, table, step.kv_cache(),
+                step.kv_cache(), step.batch.token_slots)
+
+    return [Call(step.name, args)]
+
+
+def _cost(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+          sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, token_slots: torch.Tensor) -> Cost:
+    """Reads q, k, v, each token's cos/sin row and its position and slot; writes the rotated q and
+    the tokens' cache rows. 3 FLOPs a rotated element (x·cos + rotate(x)·sin)."""
+    tokens, rotary_dim = q.shape[0], cos.shape[1]
+    cache_rows = (k.numel() + v.numel()) * k_cache.element_size()
+    rows = 2 * tokens * rotary_dim * cos.element_size()
+    rotated = tokens * (q.shape[1] + k.shape[1]) * rotary_dim
+    return Cost(2 * size(q) + size(k, v, positions, token_slots) + rows + cache_rows, 3 * rotated)
+
+
+OP = OpSpec("rope_write_kv", RopeWriteKv, {"ref": rope_write_kv_ref, "triton": rope_write_kv_triton}, order=20,
+            cases=Layout(_case_tokens, _case_slots,
+                         lambda gen, dims, dtype: dict(zip(("cos", "sin"), rope_table(dims["head_dim"],
+                                                                                      dims["max_len"], 1e6))),
+                         [({**heads, "max_len": 80}, seqs) for heads in HEADS
+                          for seqs in ([(1, 0)], [(5, 0), (8, 60), (3, 70)])], splittable=True),
+            launches=_launches, cost=_cost)

@@ -23,12 +23,14 @@ The hash is evaluated in int64 arithmetic whose every intermediate stays below 2
 top-k / top-p as thresholds found by a search over sort keys instead of a sort.
 """
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
+from ._cases import ROWS, no_shared, randn
 from ._triton import kernel_device_ok, tl, triton
 from .pointwise import elementwise_invariant
+from .spec import Call, Cost, Layout, OpSpec, Step, size
 
 
 class Sample(Protocol):
@@ -297,3 +299,44 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     """
     tokens, logprobs, _, _ = _launch_sample(logits, temperature, top_k, top_p, seeds, positions, debug=False)
     return tokens, logprobs
+
+
+# -- declaration -------------------------------------------------------------------------------------
+
+
+def _case_tokens(gen: torch.Generator, n: int, dims: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    choice = torch.randint(0, 4, (n,), generator=gen)
+    return {"logits": randn(gen, n, dims["vocab"], dtype=dtype, scale=3.0),
+            "temperature": torch.tensor([0.0, 0.7, 1.0, 1.3])[choice],
+            "top_k": torch.tensor([0, 5, 0, 50])[choice], "top_p": torch.tensor([1.0, 1.0, 0.8, 0.95])[choice],
+            "seeds": torch.randint(0, 2**62, (n,), generator=gen), "positions": torch.randint(0, 4096, (n,),
+                                                                                               generator=gen)}
+
+
+def _launches(step: Step) -> list[Call]:
+    rows = step.sequences
+
+    def full(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.full((rows,), value, dtype=dtype, device=step.device)
+
+    def args() -> tuple[Any, ...]:
+        logits = step.tensor(rows, step.cfg.vocab_size, dtype=torch.float32)  # the model's logits are fp32
+        return (logits, full(0.8), full(50, torch.int64), full(0.9), torch.arange(rows, device=step.device),
+                step.batch.positions[step.batch.last_token_indices] + 1)
+
+    return [Call(step.name, args)]
+
+
+def _cost(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+          seeds: torch.Tensor, positions: torch.Tensor) -> Cost:
+    """Reads the logits once and the per-row parameters, writes a token (int64) and a logprob (fp32)
+    a row; ~5 FLOPs a logit (temperature, softmax's exp and sum, the noise's log, the comparison).
+    Extra passes for top-k/top-p are the implementation's choice, not counted."""
+    rows = logits.shape[0]
+    return Cost(size(logits, temperature, top_k, top_p, seeds, positions) + rows * (8 + 4), 5 * logits.numel())
+
+
+OP = OpSpec("sample", Sample, {"ref": sample_ref, "triton": sample_triton}, order=80,
+            cases=Layout(_case_tokens, None, no_shared,
+                         [({"vocab": v}, members) for v in (7, 300) for members in ROWS]),
+            launches=_launches, cost=_cost)

@@ -8,8 +8,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from ._cases import ROWS, no_shared, rows
 from ._triton import kernel_device_ok, tl, triton
 from .pointwise import elementwise_invariant
+from .spec import Call, Cost, Layout, OpSpec, Step, size
 
 
 class SiluAndMul(Protocol):
@@ -61,3 +63,19 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     _silu_and_mul_kernel[(rows, triton.cdiv(inter, BLOCK))](gate_up, out, inter, gate_up.stride(0), BLOCK=BLOCK)
     return out
+
+
+def _launches(step: Step) -> list[Call]:
+    return [Call(step.name, lambda: (step.tensor(step.tokens, 2 * step.cfg.intermediate_size),))]
+
+
+def _cost(gate_up: torch.Tensor) -> Cost:
+    """Reads [T, 2I], writes [T, I]; ~5 FLOPs an output (silu's exp, add and divide, two multiplies)."""
+    outputs = gate_up.numel() // 2
+    return Cost(size(gate_up) + outputs * gate_up.element_size(), 5 * outputs)
+
+
+OP = OpSpec("silu_and_mul", SiluAndMul, {"ref": silu_and_mul_ref, "triton": silu_and_mul_triton}, order=50,
+            cases=Layout(rows("gate_up", "width2"), None, no_shared,
+                         [({"width2": w}, members) for w in (2, 48, 2 * 1100) for members in ROWS]),
+            launches=_launches, cost=_cost)

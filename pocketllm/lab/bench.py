@@ -34,8 +34,9 @@ import torch
 from ..bench.report import cpu_name
 from ..kernels._triton import HAS_TRITON, INTERPRETED, triton
 from ..kernels.registry import IMPLEMENTATIONS, ImplSpec, describe, resolve
+from ..kernels.spec import Call, Cost
 from .cases import results
-from .launches import OPS, QUICK, REAL, Call, Cost, call_cost, model_steps, op_calls
+from .launches import OPS, QUICK, REAL, call_cost, model_steps, op_calls
 from .table import markdown_table
 
 

@@ -12,15 +12,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..kernels.registry import IMPLEMENTATIONS, ImplSpec, check_op_name, describe, resolve
+from ..kernels.registry import IMPLEMENTATIONS, SPECS, ImplSpec, check_op_name, describe, resolve
 from .cases import Case, Member, call, op_cases, pack, results, run, run_members, split_member
 from .compare import bits_error, close_error
+from .launches import QUICK, model_steps, op_calls
 
 
 @dataclass(frozen=True)
@@ -180,13 +182,13 @@ def default_dtypes(device: torch.device | str) -> tuple[torch.dtype, ...]:
     return torch.float32, torch.float16
 
 
-# Ops only the Qwen3.5 hybrid layers call; every other op runs in both model families.
-HYBRID_ONLY = ("conv1d_prefill", "conv1d_decode", "gated_delta_prefill", "gated_delta_decode", "rms_norm_gated")
-
-
 def engine_presets(op: str) -> tuple[str, ...]:
-    """The tiny presets whose engines call `op`."""
-    return ("qwen3.5-tiny",) if op in HYBRID_ONLY else ("tiny", "qwen3.5-tiny")
+    """The tiny presets (`launches.QUICK`) whose engines call `op`: those with a step that makes a
+    call of it (every one, for an op without launches: the embedding)."""
+    if SPECS[op].launches is None:
+        return QUICK.models
+    return tuple(name for name in QUICK.models
+                 if any(op_calls(op, step) for step in model_steps(dataclasses.replace(QUICK, models=(name,)))))
 
 
 def check(op: str, impl: ImplSpec, vs: Iterable[ImplSpec] = (), device: torch.device | str = "cpu",

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ..config import Backend, EngineArgs
+from ..kernels.backends import DEFAULT_BACKEND
 from ..kernels.registry import ImplSpec
 from ..llm import LLM
 from ..models import cached_checkpoint
@@ -211,7 +212,7 @@ def mismatches(engines: Engines, workload: list[Job], max_batch_size: int,
 
 
 def engine_property(overrides: Mapping[str, ImplSpec], preset: str, examples: int,
-                    backend: Backend = "torch") -> str | None:
+                    backend: Backend = DEFAULT_BACKEND) -> str | None:
     """Run the invariance property on `preset` with `overrides` installed; None when it holds,
     else the shrunk counterexample."""
     path = cached_checkpoint(preset)
@@ -239,7 +240,7 @@ def engine_property(overrides: Mapping[str, ImplSpec], preset: str, examples: in
 
 @torch.inference_mode()
 def greedy_parity(overrides: Mapping[str, ImplSpec], preset: str, prompts: int = 3, new_tokens: int = 16,
-                  backend: Backend = "torch") -> str | None:
+                  backend: Backend = DEFAULT_BACKEND) -> str | None:
     """Greedy tokens of pocketllm (fp32, `overrides` installed) == transformers' (eager, fp32)
     on `prompts` random prompts; None when all agree, else the first divergence."""
     import transformers

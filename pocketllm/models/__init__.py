@@ -1,10 +1,11 @@
 """Model definitions, the checkpoint loader and the random-checkpoint writer."""
 
 from .batch import ForwardBatch
+from .family import Family
 from .loader import CheckpointError, load_weights
 from .presets import PRESETS, cached_checkpoint, write_checkpoint
 from .protocol import Model
-from .registry import ARCHITECTURES, build_model
+from .registry import ARCHITECTURES, FAMILIES, build_model, family_of
 
-__all__ = ["ARCHITECTURES", "CheckpointError", "ForwardBatch", "Model", "PRESETS", "build_model", "cached_checkpoint",
-           "load_weights", "write_checkpoint"]
+__all__ = ["ARCHITECTURES", "CheckpointError", "FAMILIES", "Family", "ForwardBatch", "Model", "PRESETS", "build_model",
+           "cached_checkpoint", "family_of", "load_weights", "write_checkpoint"]

@@ -182,6 +182,12 @@ class Attention:
                            prefix + "v_proj.bias": (kv_out,), prefix + "o_proj.bias": (hidden,)})
         return shapes
 
+    @staticmethod
+    def matrices(cfg: ModelConfig, gated: bool = False) -> list[tuple[str, int, int]]:
+        """(name, in, out) of the matrices `linear_weights` gives: fused qkv, o_proj."""
+        hidden, d, heads, kv_heads = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        return [("qkv", hidden, (2 if gated else 1) * heads * d + 2 * kv_heads * d), ("o_proj", heads * d, hidden)]
+
     def linear_weights(self) -> tuple[torch.Tensor, ...]:
         return self.qkv, self.o_proj
 
@@ -218,6 +224,12 @@ class SwiGLU:
         hidden, inner = cfg.hidden_size, cfg.intermediate_size
         return {prefix + "gate_proj.weight": (inner, hidden), prefix + "up_proj.weight": (inner, hidden),
                 prefix + "down_proj.weight": (hidden, inner)}
+
+    @staticmethod
+    def matrices(cfg: ModelConfig) -> list[tuple[str, int, int]]:
+        """(name, in, out) of the matrices `linear_weights` gives: fused gate_up, down."""
+        hidden, inner = cfg.hidden_size, cfg.intermediate_size
+        return [("gate_up", hidden, 2 * inner), ("down", inner, hidden)]
 
     def linear_weights(self) -> tuple[torch.Tensor, ...]:
         return self.gate_up, self.down

@@ -16,106 +16,28 @@ from safetensors.torch import save_file
 
 from ..config import ModelConfig
 from ..tokenizer import byte_level_tokenizer_files
-from .registry import ARCHITECTURES
+from .registry import FAMILIES, family_of
 
-_QWEN3_BASE: dict[str, Any] = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0,
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "use_sliding_window": False,
-    "max_position_embeddings": 4096,
-    "dtype": "float32",
-}
-
-_QWEN3_5_BASE: dict[str, Any] = {
-    "architectures": ["Qwen3_5ForCausalLM"],
-    "model_type": "qwen3_5_text",
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-6,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "max_position_embeddings": 4096,
-    "linear_conv_kernel_dim": 4,
-    "dtype": "float32",
-}
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # A few hundred thousand parameters: tests and the demo.
-    "tiny": {**_QWEN3_BASE, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-             "tie_word_embeddings": True, "eos_token_id": 255},
-    # About 40M parameters: CPU benchmarks.
-    "small": {**_QWEN3_BASE, "vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1408,
-              "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
-              "tie_word_embeddings": True, "eos_token_id": 31999},
-    # Qwen3.5 hybrids: three Gated DeltaNet layers, then one gated full-attention layer, repeated.
-    "qwen3.5-tiny": {**_QWEN3_5_BASE, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-                     "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-                     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-                     "linear_value_head_dim": 16, "tie_word_embeddings": True, "eos_token_id": 255},
-    "qwen3.5-small": {**_QWEN3_5_BASE, "vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1408,
-                      "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
-                      "linear_num_key_heads": 4, "linear_num_value_heads": 8, "linear_key_head_dim": 64,
-                      "linear_value_head_dim": 64, "tie_word_embeddings": True, "eos_token_id": 31999},
-    # The exact shapes of published checkpoints (random weights): real-size CPU benchmarks.
-    "qwen3-0.6b": {**_QWEN3_BASE, "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
-                   "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-                   "tie_word_embeddings": True, "eos_token_id": 151645},
-    "qwen3.5-0.8b": {**_QWEN3_5_BASE, "vocab_size": 248320, "hidden_size": 1024, "intermediate_size": 3584,
-                     "num_hidden_layers": 24, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
-                     "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
-                     "linear_value_head_dim": 128, "tie_word_embeddings": True, "eos_token_id": 248044},
-}
-
-# A small vision tower config, only so that the multimodal layout's config.json is complete.
-_TINY_VISION = {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 32, "intermediate_size": 64,
-                "num_heads": 2, "patch_size": 2, "spatial_merge_size": 2, "temporal_patch_size": 2,
-                "num_position_embeddings": 16}
+PRESETS: dict[str, dict[str, Any]] = {name: raw for family in FAMILIES for name, raw in family.presets.items()}
 
 
 def random_weights(cfg: ModelConfig, seed: int, init_std: float = 0.02) -> dict[str, torch.Tensor]:
     """fp32 weights for every tensor the architecture expects: matrices ~ N(0, init_std); norm
-    scales ~ 1 + N(0, 0.1) (Qwen3.5's zero-centred norms ~ N(0, 0.1)), so a norm that is skipped or
-    misapplied shows in the output; Gated DeltaNet conv taps ~ N(0, 0.3), A_log = log U(1, 4) and
-    dt_bias ~ N(0, 0.1), so the recurrence neither vanishes nor explodes."""
+    scales ~ 1 + N(0, 0.1), so a norm that is skipped or misapplied shows in the output; a family's
+    own tensors as its `init_weight` says."""
     generator = torch.Generator().manual_seed(seed)
-    zero_centred = cfg.architecture.startswith("Qwen3_5")
+    family = family_of(cfg)
     weights = {}
-    for name, shape in ARCHITECTURES[cfg.architecture].expected_weights(cfg).items():
+    for name, shape in family.expected_weights(cfg).items():
         noise = torch.randn(shape, generator=generator)
-        if name.endswith("A_log"):
-            weights[name] = torch.log(1.0 + 3.0 * torch.rand(shape, generator=generator))
-        elif name.endswith("dt_bias"):
-            weights[name] = 0.1 * noise
-        elif name.endswith("conv1d.weight"):
-            weights[name] = 0.3 * noise
+        own = family.init_weight(name, noise, generator)
+        if own is not None:
+            weights[name] = own
         elif len(shape) == 1 and "norm" in name:
-            gated_norm = name.endswith("linear_attn.norm.weight")
-            weights[name] = 0.1 * noise if zero_centred and not gated_norm else 1.0 + 0.1 * noise
+            weights[name] = 1.0 + 0.1 * noise
         else:
             weights[name] = init_std * noise
     return weights
-
-
-def _multimodal(raw: dict[str, Any],
-                weights: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The Qwen3_5ForConditionalGeneration layout: text config nested, text weights under
-    model.language_model., plus a vision and an MTP tensor that a loader must skip by rule."""
-    text = {**raw, "model_type": "qwen3_5_text"}
-    text.pop("architectures")
-    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
-              "vision_config": {**_TINY_VISION, "out_hidden_size": raw["hidden_size"]},
-              "tie_word_embeddings": raw["tie_word_embeddings"], "eos_token_id": raw["eos_token_id"]}
-    nested = {("model.language_model." + name[len("model."):] if name.startswith("model.") else name): tensor
-              for name, tensor in weights.items()}
-    nested["model.visual.merger.linear_fc2.bias"] = torch.zeros(raw["hidden_size"])
-    nested["mtp.fc.weight"] = torch.zeros(raw["hidden_size"], 2 * raw["hidden_size"])
-    return config, nested
 
 
 # What a loader reads from a model directory: stale copies of these must not outlive a rewrite
@@ -137,7 +59,7 @@ def write_checkpoint(path: str | Path, preset: str = "tiny", seed: int = 0, init
                      max_shard_bytes: int | None = None, multimodal: bool = False, **overrides: Any) -> Path:
     """Write a random checkpoint of `preset` (config fields replaced by `overrides`) to `path`.
 
-    `multimodal=True` (Qwen3.5 presets) writes the Qwen3_5ForConditionalGeneration layout.
+    `multimodal=True` writes the family's multimodal layout (Qwen3.5: Qwen3_5ForConditionalGeneration).
     With `max_shard_bytes`, weights are split into model-0000N-of-0000M.safetensors shards with a
     model.safetensors.index.json, as large Hugging Face checkpoints are.
     A byte-level tokenizer.json and tokenizer_config.json come with it (see pocketllm.tokenizer),
@@ -148,14 +70,17 @@ def write_checkpoint(path: str | Path, preset: str = "tiny", seed: int = 0, init
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     raw = {**PRESETS[preset], **overrides}
     cfg = ModelConfig.from_dict(raw, source=f"preset {preset!r}")
-    if multimodal and not cfg.architecture.startswith("Qwen3_5"):
-        raise ValueError(f"multimodal=True needs a Qwen3.5 preset, got {preset!r}")
+    nest = family_of(cfg).multimodal
+    if multimodal and nest is None:
+        with_layout = sorted(name for family in FAMILIES if family.multimodal for name in family.presets)
+        raise ValueError(f"multimodal=True needs a preset of a family with a multimodal layout ({with_layout}), "
+                         f"got {preset!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     _remove_checkpoint_files(path)
     weights = random_weights(cfg, seed, init_std)
-    if multimodal:
-        raw, weights = _multimodal(raw, weights)
+    if multimodal and nest is not None:
+        raw, weights = nest(raw, weights)
     (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": raw["eos_token_id"]}, indent=2) + "\n")
     tokenizer_files = byte_level_tokenizer_files(cfg.vocab_size, cfg.eos_token_ids, cfg.max_position_embeddings)

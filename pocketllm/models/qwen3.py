@@ -7,7 +7,10 @@ and gate/up are fused into one matrix each so a layer runs four GEMMs.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..config import ModelConfig
+from .family import Family, Matrices
 from .layers import Attention, DecoderBlock, DecoderModel, Shapes, SwiGLU, Weights
 
 
@@ -32,3 +35,39 @@ class Qwen3Model(DecoderModel):
     def build_block(self, weights: Weights, prefix: str, kind: str) -> DecoderBlock:
         return DecoderBlock(weights, prefix, Attention(self.cfg, weights, prefix + "self_attn.", self.rope),
                             SwiGLU(weights, prefix + "mlp."), self.norm_weight)
+
+
+def matrices(cfg: ModelConfig) -> Matrices:
+    return Attention.matrices(cfg) + SwiGLU.matrices(cfg)
+
+
+_BASE: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "use_sliding_window": False,
+    "max_position_embeddings": 4096,
+    "dtype": "float32",
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # A few hundred thousand parameters: tests and the demo.
+    "tiny": {**_BASE, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+             "tie_word_embeddings": True, "eos_token_id": 255},
+    # About 40M parameters: CPU benchmarks.
+    "small": {**_BASE, "vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1408,
+              "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+              "tie_word_embeddings": True, "eos_token_id": 31999},
+    # The exact shapes of the published checkpoint (random weights): real-size CPU benchmarks.
+    "qwen3-0.6b": {**_BASE, "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
+                   "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                   "tie_word_embeddings": True, "eos_token_id": 151645},
+}
+
+FAMILY = Family("qwen3", ("Qwen3ForCausalLM",), Qwen3Model, expected_weights, skip_weight, matrices, PRESETS,
+                lab_presets=("tiny", "qwen3-0.6b"))

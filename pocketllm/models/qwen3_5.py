@@ -13,14 +13,17 @@ Layers are Gated DeltaNet ("linear_attention") or gated full attention ("full_at
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from ..cache import SlotCache, recurrent_spec
-from ..config import ModelConfig
+from ..cache import RecurrentCacheSpec, SlotCache
+from ..config import ConfigDefaults, ModelConfig
 from ..kernels import Ops
 from ..kernels.pointwise import elementwise_invariant
 from .batch import ForwardBatch
+from .family import Family, Matrices
 from .layers import Attention, DecoderBlock, DecoderModel, Shapes, SwiGLU, Weights, conv1d, gated_delta, layer_state
 
 SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.")  # multi-token prediction and vision towers
@@ -31,9 +34,18 @@ def text_prefix(cfg: ModelConfig) -> str:
     return "model.language_model." if cfg.architecture == "Qwen3_5ForConditionalGeneration" else "model."
 
 
-def gdn_dims(cfg: ModelConfig) -> tuple[int, int]:
-    """(key_dim, value_dim): widths of all key heads and all value heads together."""
-    return (cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim)
+def gdn_dims(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(key_dim, value_dim, conv_dim): widths of all key heads, of all value heads, and of the
+    conv's channels (q, k and v side by side)."""
+    key_dim, value_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim, \
+        cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    return key_dim, value_dim, 2 * key_dim + value_dim
+
+
+def recurrent_spec(cfg: ModelConfig) -> RecurrentCacheSpec:
+    """Conv window and recurrent state per slot of a Gated DeltaNet layer."""
+    return RecurrentCacheSpec(gdn_dims(cfg)[2], cfg.linear_conv_kernel_dim, cfg.linear_num_value_heads,
+                              cfg.linear_key_head_dim, cfg.linear_value_head_dim)
 
 
 def expected_weights(cfg: ModelConfig) -> Shapes:
@@ -78,9 +90,17 @@ class DeltaNet:
         return self.in_proj, self.out_proj
 
     @staticmethod
+    def matrices(cfg: ModelConfig) -> Matrices:
+        """(name, in, out) of the matrices `linear_weights` gives: fused in_proj (qkv, z, b, a), out_proj."""
+        _, value_dim, conv_dim = gdn_dims(cfg)
+        hidden = cfg.hidden_size
+        return [("in_proj", hidden, conv_dim + value_dim + 2 * cfg.linear_num_value_heads),
+                ("out_proj", value_dim, hidden)]
+
+    @staticmethod
     def weight_shapes(cfg: ModelConfig, g: str) -> Shapes:
-        key_dim, value_dim = gdn_dims(cfg)
-        hidden, v_heads, conv_dim = cfg.hidden_size, cfg.linear_num_value_heads, 2 * key_dim + value_dim
+        _, value_dim, conv_dim = gdn_dims(cfg)
+        hidden, v_heads = cfg.hidden_size, cfg.linear_num_value_heads
         return {
             g + "in_proj_qkv.weight": (conv_dim, hidden),
             g + "in_proj_z.weight": (value_dim, hidden),
@@ -95,10 +115,9 @@ class DeltaNet:
 
     def forward(self, ops: Ops, x: torch.Tensor, batch: ForwardBatch, cache: SlotCache, layer: int) -> torch.Tensor:
         cfg, tokens = self.cfg, x.shape[0]
-        key_dim, value_dim = gdn_dims(cfg)
+        key_dim, value_dim, conv_dim = gdn_dims(cfg)
         k_heads, v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        qkv, z, b, a = ops.linear(x, self.in_proj).split([2 * key_dim + value_dim, value_dim, v_heads, v_heads],
-                                                          dim=-1)
+        qkv, z, b, a = ops.linear(x, self.in_proj).split([conv_dim, value_dim, v_heads, v_heads], dim=-1)
         qkv = conv1d(ops, qkv, self.conv, layer_state(cache.conv, layer), batch)
         q, k, v = qkv.split([key_dim, key_dim, value_dim], dim=-1)
         q = q.reshape(tokens, k_heads, cfg.linear_key_head_dim)
@@ -128,3 +147,81 @@ class Qwen3_5Model(DecoderModel):
         else:
             mixer = DeltaNet(self.cfg, weights, prefix + "linear_attn.")
         return DecoderBlock(weights, prefix, mixer, SwiGLU(weights, prefix + "mlp."), self.norm_weight)
+
+
+def matrices(cfg: ModelConfig) -> Matrices:
+    return Attention.matrices(cfg, gated=True) + SwiGLU.matrices(cfg) + DeltaNet.matrices(cfg)
+
+
+def init_weight(name: str, noise: torch.Tensor, generator: torch.Generator) -> torch.Tensor | None:
+    """Random-checkpoint values of this family's own tensors: zero-centred norm scales ~ N(0, 0.1)
+    (the gated norm's are not zero-centred), conv taps ~ N(0, 0.3), A_log = log U(1, 4) and
+    dt_bias ~ N(0, 0.1), so the recurrence neither vanishes nor explodes."""
+    if name.endswith("A_log"):
+        return torch.log(1.0 + 3.0 * torch.rand(noise.shape, generator=generator))
+    if name.endswith("dt_bias"):
+        return 0.1 * noise
+    if name.endswith("conv1d.weight"):
+        return 0.3 * noise
+    if noise.dim() == 1 and "norm" in name and not name.endswith("linear_attn.norm.weight"):
+        return 0.1 * noise
+    return None
+
+
+# A small vision tower config, only so that the multimodal layout's config.json is complete.
+_TINY_VISION = {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 32, "intermediate_size": 64,
+                "num_heads": 2, "patch_size": 2, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                "num_position_embeddings": 16}
+
+
+def multimodal(raw: dict[str, Any],
+               weights: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The Qwen3_5ForConditionalGeneration layout: text config nested, text weights under
+    model.language_model., plus a vision and an MTP tensor that a loader must skip by rule."""
+    text = {**raw, "model_type": "qwen3_5_text"}
+    text.pop("architectures")
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
+              "vision_config": {**_TINY_VISION, "out_hidden_size": raw["hidden_size"]},
+              "tie_word_embeddings": raw["tie_word_embeddings"], "eos_token_id": raw["eos_token_id"]}
+    nested = {("model.language_model." + name[len("model."):] if name.startswith("model.") else name): tensor
+              for name, tensor in weights.items()}
+    nested["model.visual.merger.linear_fc2.bias"] = torch.zeros(raw["hidden_size"])
+    nested["mtp.fc.weight"] = torch.zeros(raw["hidden_size"], 2 * raw["hidden_size"])
+    return config, nested
+
+
+_BASE: dict[str, Any] = {
+    "architectures": ["Qwen3_5ForCausalLM"],
+    "model_type": "qwen3_5_text",
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "max_position_embeddings": 4096,
+    "linear_conv_kernel_dim": 4,
+    "dtype": "float32",
+}
+
+# Three Gated DeltaNet layers, then one gated full-attention layer, repeated.
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3.5-tiny": {**_BASE, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                     "linear_value_head_dim": 16, "tie_word_embeddings": True, "eos_token_id": 255},
+    "qwen3.5-small": {**_BASE, "vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1408,
+                      "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+                      "linear_num_key_heads": 4, "linear_num_value_heads": 8, "linear_key_head_dim": 64,
+                      "linear_value_head_dim": 64, "tie_word_embeddings": True, "eos_token_id": 31999},
+    # The exact shapes of the published checkpoint (random weights): real-size CPU benchmarks.
+    "qwen3.5-0.8b": {**_BASE, "vocab_size": 248320, "hidden_size": 1024, "intermediate_size": 3584,
+                     "num_hidden_layers": 24, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+                     "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
+                     "linear_value_head_dim": 128, "tie_word_embeddings": True, "eos_token_id": 248044},
+}
+
+FAMILY = Family("qwen3.5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"), Qwen3_5Model,
+                expected_weights, skip_weight, matrices, PRESETS,
+                defaults=ConfigDefaults(head_dim=256, partial_rotary_factor=0.25, full_attention_interval=4),
+                lab_presets=("qwen3.5-tiny", "qwen3.5-0.8b"), gated_attention=True, recurrent_spec=recurrent_spec,
+                init_weight=init_weight, multimodal=multimodal)

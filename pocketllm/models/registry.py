@@ -1,37 +1,38 @@
-"""Architecture name (config.json `architectures[0]`) -> model class and its weight rules."""
+"""The model families pocketllm loads, and architecture name (config.json `architectures[0]`) -> family.
+
+A family is one module under `models/` that builds its `Family` record; listing it in `FAMILIES`
+is its registration: the loader, the config parser, the presets and the lab read it from here.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ConfigDefaults, ModelConfig
 from ..kernels import Ops
 from . import qwen3, qwen3_5
-from .layers import Shapes, Weights
+from .family import Family
 from .loader import CheckpointError, load_weights
 from .protocol import Model
 
-
-@dataclass(frozen=True)
-class Architecture:
-    """How to build one architecture: the model, the tensors it reads, the tensors it skips."""
-
-    model: Callable[[ModelConfig, Weights, Ops, int], Model]  # (cfg, weights, ops, max_seq_len) -> model
-    expected_weights: Callable[[ModelConfig], Shapes]
-    skip_weight: Callable[[str], bool]
+FAMILIES: tuple[Family, ...] = (qwen3.FAMILY, qwen3_5.FAMILY)
+ARCHITECTURES: dict[str, Family] = {name: family for family in FAMILIES for name in family.architectures}
 
 
-QWEN3 = Architecture(qwen3.Qwen3Model, qwen3.expected_weights, qwen3.skip_weight)
-QWEN3_5 = Architecture(qwen3_5.Qwen3_5Model, qwen3_5.expected_weights, qwen3_5.skip_weight)
-ARCHITECTURES: dict[str, Architecture] = {
-    "Qwen3ForCausalLM": QWEN3,
-    "Qwen3_5ForCausalLM": QWEN3_5,
-    "Qwen3_5ForConditionalGeneration": QWEN3_5,
-}
+def family_of(cfg: ModelConfig) -> Family:
+    """The family of `cfg`'s architecture; ValueError naming the supported ones otherwise."""
+    if cfg.architecture not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {cfg.architecture!r}; supported: {sorted(ARCHITECTURES)}")
+    return ARCHITECTURES[cfg.architecture]
+
+
+def config_defaults(architecture: str) -> ConfigDefaults:
+    """What a config.json of `architecture` may leave out (plain defaults for an unknown one: the
+    loader refuses it later, naming the supported architectures)."""
+    family = ARCHITECTURES.get(architecture)
+    return family.defaults if family else ConfigDefaults()
 
 
 def build_model(path: str | Path, cfg: ModelConfig, ops: Ops, dtype: torch.dtype,
@@ -42,6 +43,6 @@ def build_model(path: str | Path, cfg: ModelConfig, ops: Ops, dtype: torch.dtype
             f"{Path(path) / 'config.json'}: unknown architecture {cfg.architecture!r}; "
             f"supported: {sorted(ARCHITECTURES)}"
         )
-    arch = ARCHITECTURES[cfg.architecture]
-    weights = load_weights(path, arch.expected_weights(cfg), dtype, device, skip=arch.skip_weight)
-    return arch.model(cfg, weights, ops, max_seq_len)
+    family = ARCHITECTURES[cfg.architecture]
+    weights = load_weights(path, family.expected_weights(cfg), dtype, device, skip=family.skip_weight)
+    return family.model(cfg, weights, ops, max_seq_len)

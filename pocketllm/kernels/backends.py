@@ -1,0 +1,61 @@
+"""The backends: each is a choice of implementation (by name) for every op, in one record.
+
+A backend record says which implementation each op runs (given the flags of `backend_options`
+it reads), whether its outputs are batch invariant by construction (then the engine does not
+probe the BLAS at start-up), and which `backend_options` it reads. `EngineArgs`, `LLM` and the
+CLI take the backend names from `BACKENDS`, so a backend is added here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+Implementations = Mapping[str, Mapping[str, Callable[..., Any]]]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """`select(implementations, batch_invariant, decode_per_row)` -> op -> implementation name."""
+
+    name: str
+    select: Callable[[Implementations, bool, bool], dict[str, str]]
+    invariant_by_construction: bool
+    options: tuple[str, ...]  # the backend_options whose values change what it runs
+
+
+def _torch(implementations: Implementations, batch_invariant: bool, decode_per_row: bool) -> dict[str, str]:
+    """The references, except attention through torch's fused attention and the linear layers in
+    fixed row tiles (`linear.py`): 4-row tiles for decode rows, or one row per call with
+    `decode_per_row`; 64-row tiles for prefill rows. `batch_invariant=False` makes the linear
+    layers one plain GEMM call per batch (a negative control for the invariance tests, and a
+    speed baseline)."""
+    impls = dict.fromkeys(implementations, "ref")
+    impls.update(prefill_attention="fused", decode_attention="fused")
+    if batch_invariant:
+        impls.update(linear="per_row" if decode_per_row else "row_invariant", prefill_linear="row_invariant")
+    return impls
+
+
+def _triton(implementations: Implementations, batch_invariant: bool, decode_per_row: bool) -> dict[str, str]:
+    """Every op with a Triton kernel uses it (compiled on CUDA, interpreted on CPU); the others (the
+    embedding: a gather, no arithmetic) their reference. Invariant by construction: the flags do
+    not apply."""
+    return {op: "triton" if "triton" in names else "ref" for op, names in implementations.items()}
+
+
+BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
+    Backend("torch", _torch, invariant_by_construction=False,
+            options=("batch_invariant", "invariance_probe", "decode_per_row")),
+    Backend("triton", _triton, invariant_by_construction=True, options=()),
+)}
+
+DEFAULT_BACKEND = "torch"  # runs anywhere; the fast path on CPU
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called `name`; ValueError naming the registered ones otherwise."""
+    if not isinstance(name, str) or name not in BACKENDS:
+        raise ValueError(f"backend must be one of {tuple(BACKENDS)}, got {name!r}")
+    return BACKENDS[name]
