@@ -7,7 +7,7 @@ import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,6 +16,9 @@ from ..outputs import FinishReason, GenerationResult
 from ..runner import SequenceInput
 from ..sampling import SamplingParams
 from .policy import PrefillPolicy
+
+if TYPE_CHECKING:
+    from .delivery import Subscriber
 
 
 def is_array(value: Any) -> bool:
@@ -99,6 +102,8 @@ class Request:
     swapped: SwappedSlot | None = None  # its slot's contents while preempted
     swapped_step: int = -1  # the step that last swapped it out
     preempt_requested: bool = False
+    subscriber: Subscriber | None = None  # who is told of its tokens and its result
+    text: str | None = None  # its tokens decoded, once it has ended (when the engine detokenizes)
 
     @property
     def order(self) -> tuple[int, int]:
@@ -127,6 +132,10 @@ class Request:
         end = policy.piece_end(self.num_prefilled, len(self.prompt_tokens))
         return SequenceInput(self.assigned_slot, self.num_prefilled, self.prompt_tokens[self.num_prefilled:end],
                              self.params, self.seed, decode=False, sample=end == len(self.prompt_tokens))
+
+    def next_input(self, policy: PrefillPolicy) -> SequenceInput:
+        """The next piece of the prompt while it lasts, then a decode row."""
+        return self.prefill_input(policy) if self.prefilling else self.decode_input()
 
     def decode_input(self) -> SequenceInput:
         return SequenceInput(self.assigned_slot, self.num_cached, [self.token_ids[-1]], self.params, self.seed,
@@ -177,4 +186,5 @@ class Request:
             seed=self.seed,
             ttft_s=None if self.first_token_time is None else self.first_token_time - self.submit_time,
             total_time_s=None if self.finish_time is None else self.finish_time - self.submit_time,
+            text=self.text,
         )
