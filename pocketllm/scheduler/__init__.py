@@ -9,7 +9,7 @@
 - `slots`: the one owner of what the slots hold (allocation, prefix reuse, snapshots, swap), for
   the serial path as for the scheduler.
 - `stats`, `timeline`: what was done, as counters and as a per-slot picture.
-- `request`, `policy`, `prefix_index`, `stream`: the records and rules the others share.
+- `request`, `policy`, `prefix_index`, `stream`, `waits`: the records and rules the others share.
 """
 
 from .batch_scheduler import BatchScheduler

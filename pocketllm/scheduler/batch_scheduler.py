@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
-import numbers
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -33,11 +31,12 @@ from .delivery import Callback, Delivery, Subscriber, TokenCallback, token_delta
 from .execute import Outcome, Span, Work, execute
 from .planner import Planner
 from .policy import PrefillPolicy, check_budget
-from .request import Request, RequestStatus, validate_prompt
+from .request import Request, RequestStatus, check_submission
 from .slots import SlotManager
 from .stats import Counters, SchedulerStats
 from .stream import TokenDelta
 from .timeline import SlotEvent
+from .waits import deadline, wait_until
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +68,12 @@ class BatchScheduler:
         self._work = threading.Condition(self._lock)  # the loop waits here for requests
         self._changed = threading.Condition(self._lock)  # pollers, streams and submitters: results, tokens, room
         self._step_lock = threading.Lock()  # one step at a time, whoever calls it
-        self.counters = Counters()
+        self.counters = Counters(record_timeline)
         self.slots = SlotManager(cache, policy)
         self.planner = Planner(self.slots, policy, self.counters, max_swap_bytes)
         self.delivery = Delivery(self._lock, self.counters, detokenize)
         self._requests: dict[int, Request] = {}  # submitted, result not yet collected
         self._stepping = self._stopped = self._draining = False  # _draining: stop(drain=True) is finishing
-        self.timeline: list[SlotEvent] | None = [] if record_timeline else None  # read it once the work is done
         self._thread: threading.Thread | None = None
         if background_thread:
             self._thread = threading.Thread(target=self._loop, name="pocketllm-scheduler", daemon=True)
@@ -84,6 +82,11 @@ class BatchScheduler:
     @property
     def policy(self) -> PrefillPolicy:
         return self.planner.policy
+
+    @property
+    def timeline(self) -> list[SlotEvent] | None:
+        """Per-forward slot events, when recording (read it once the work is done)."""
+        return self.counters.timeline
 
     # -- public API (any thread) ---------------------------------------------------------------
 
@@ -98,9 +101,10 @@ class BatchScheduler:
         step, outside the scheduler's lock. With `max_waiting` requests waiting, a submission
         raises QueueFullError at once (`wait_ms=0`), after waiting up to `wait_ms` for room, or
         waits as long as it takes (None)."""
-        prompt, sampling = self._checked(prompt_tokens, sampling, priority, callback=callback, on_token=on_token)
+        prompt, sampling = check_submission(prompt_tokens, sampling, priority, self.vocab_size, self.max_seq_len,
+                                            callback=callback, on_token=on_token)
         return self._enqueue(prompt, sampling, priority, self.delivery.subscribe(callback, on_token),
-                             _deadline(wait_ms))
+                             deadline(wait_ms))
 
     def preempt(self, request_id: int) -> bool:
         """Swap a running request out at the start of the next step: its slot's K/V and states go
@@ -146,8 +150,8 @@ class BatchScheduler:
         (None or math.inf: wait as long as it takes). A result is handed over once; then the id is
         unknown. Raises KeyError for an id that was never submitted or was already collected,
         ValueError for a negative or NaN timeout."""
-        deadline = _deadline(timeout_ms)
-        if deadline is None:  # without a thread, a caller that waits as long as it takes steps the loop
+        until = deadline(timeout_ms)
+        if until is None:  # without a thread, a caller that waits as long as it takes steps the loop
             self._drive(lambda: self._collectable(request_id))  # at once for an unknown id: KeyError below
         with self._lock:
             while True:
@@ -157,7 +161,7 @@ class BatchScheduler:
                 if request.finished and request.slot is None:
                     del self._requests[request_id]
                     break
-                if not _wait(self._changed, deadline):
+                if not wait_until(self._changed, until):
                     return None
         return self.delivery.result(request)
 
@@ -185,12 +189,7 @@ class BatchScheduler:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         with self._step_lock, self._lock:
-            for request in self.planner.running:
-                request.cancel_requested = True
-            ended = self.planner.complete()
-            for request in list(self.planner.waiting):
-                self.planner.cancel_waiting(request)
-                ended.append(request)
+            ended = self.planner.end_all()
             self._count_ended(ended)
             self._changed.notify_all()
         self.delivery.deliver_results(ended)
@@ -200,8 +199,9 @@ class BatchScheduler:
         """Submit (prompt, params) pairs, every one checked before any is queued, and return their
         results once all are done (see `_drive`: the background thread steps the loop, or this
         thread does); other submitters' requests share the steps."""
-        checked = [self._checked(prompt, params, priority) for prompt, params in requests]
-        ids = [self._enqueue(prompt, params, priority, None, _deadline(0)) for prompt, params in checked]
+        checked = [check_submission(prompt, params, priority, self.vocab_size, self.max_seq_len)
+                   for prompt, params in requests]
+        ids = [self._enqueue(prompt, params, priority, None, deadline(0)) for prompt, params in checked]
         self._drive(lambda: all(self._collectable(i) for i in ids))
         # Every one has finished, so none of these polls comes back empty.
         return cast("list[GenerationResult]", [self.poll_result(i) for i in ids])
@@ -294,9 +294,7 @@ class BatchScheduler:
             raise
         finally:
             with self._lock:
-                self.counters.forward([seq for _, seq in work])
-                if self.timeline is not None:
-                    self.timeline.extend(span.event(self.counters.steps, self.counters.started) for span in spans)
+                self.counters.forward([seq for _, seq in work], spans)
                 for request in self.planner.apply(work, outcomes):
                     self.delivery.sampled(request)
 
@@ -333,20 +331,8 @@ class BatchScheduler:
 
     # -- helpers (lock held unless said otherwise) ----------------------------------------------
 
-    def _checked(self, prompt_tokens: Sequence[int], sampling: SamplingParams | None, priority: int,
-                 **callbacks: Callable | None) -> tuple[list[int], SamplingParams]:
-        """The prompt as ints and its params, every argument checked (TypeError/ValueError). No lock."""
-        sampling = sampling if sampling is not None else SamplingParams()
-        prompt = validate_prompt(prompt_tokens, sampling, self.vocab_size, self.max_seq_len)
-        for name, fn in callbacks.items():
-            if fn is not None and not callable(fn):
-                raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
-        if isinstance(priority, bool) or not isinstance(priority, int) or not -2**31 <= priority < 2**31:
-            raise ValueError(f"priority must be an int in [-2**31, 2**31), got {priority!r}")
-        return prompt, sampling
-
     def _enqueue(self, prompt: list[int], sampling: SamplingParams, priority: int, subscriber: Subscriber | None,
-                 deadline: float | None) -> int:
+                 until: float | None) -> int:
         """Queue a checked request once the queue has room (see submit_request). No lock."""
         with self._lock:
             while True:
@@ -355,7 +341,7 @@ class BatchScheduler:
                 waiting = len(self.planner.waiting)
                 if not self.max_waiting or waiting < self.max_waiting:
                     break
-                if not _wait(self._changed, deadline):
+                if not wait_until(self._changed, until):
                     raise QueueFullError(f"{waiting} requests are waiting, the most max_waiting={self.max_waiting} "
                                          f"allows; retry later or pass wait_ms to wait for room")
             request = Request(next(self._ids), prompt, sampling, sampling.resolved_seed(), self.eos_token_ids,
@@ -384,27 +370,3 @@ class BatchScheduler:
         request = self._requests.get(request_id)
         return request is None or (request.finished and request.slot is None)
 
-
-def _wait(condition: threading.Condition, deadline: float | None) -> bool:
-    """Wait on `condition` (its lock held) until notified or `deadline`; False once it has passed."""
-    remaining = None if deadline is None else deadline - time.monotonic()
-    if remaining is not None and remaining <= 0:
-        return False
-    condition.wait(None if remaining is None else min(remaining, threading.TIMEOUT_MAX))
-    return True
-
-
-def _deadline(timeout_ms: float | None) -> float | None:
-    """The monotonic time at which a wait gives up; None to wait forever (None or math.inf)."""
-    if timeout_ms is None:
-        return None
-    if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, numbers.Real):
-        raise TypeError(f"timeout_ms must be a number of milliseconds >= 0, None or math.inf, "
-                        f"got {type(timeout_ms).__name__}")
-    try:
-        timeout_s = float(timeout_ms) / 1000.0
-    except OverflowError:  # an int too large for a float: longer than anyone waits
-        return None
-    if math.isnan(timeout_s) or timeout_s < 0:
-        raise ValueError(f"timeout_ms must be >= 0, None or math.inf (wait forever), got {timeout_ms!r}")
-    return None if math.isinf(timeout_s) else time.monotonic() + timeout_s

@@ -139,6 +139,16 @@ class Planner:
                 ended.append(request)
         return ended
 
+    def end_all(self) -> list[Request]:
+        """Cancel every request, running or waiting, and free their slots; returns them."""
+        for request in self.running:
+            request.cancel_requested = True
+        ended = self.complete()
+        for request in list(self.waiting):
+            self.cancel_waiting(request)
+            ended.append(request)
+        return ended
+
     def cancel_waiting(self, request: Request) -> None:
         """End a request that has no slot (never admitted, or swapped out), and unqueue it."""
         self.waiting.remove(request)

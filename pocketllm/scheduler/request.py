@@ -1,11 +1,12 @@
-"""Request: one generation's state from submission to its single terminal state."""
+"""Request: one generation's state from submission to its single terminal state, and the checks
+a submission passes before a request is made of it."""
 
 from __future__ import annotations
 
 import enum
 import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +73,20 @@ def validate_prompt(prompt_tokens: Sequence[int], params: SamplingParams, vocab_
             f"prompt length {len(prompt)} + max_tokens {params.max_tokens} exceeds max_seq_len {max_seq_len}"
         )
     return prompt
+
+
+def check_submission(prompt_tokens: Sequence[int], sampling: SamplingParams | None, priority: int, vocab_size: int,
+                     max_seq_len: int, **callbacks: Callable[..., None] | None) -> tuple[list[int], SamplingParams]:
+    """What a submission gives, every argument checked (TypeError/ValueError): the prompt as ints
+    and its params (None: the defaults); `callbacks` must be callable or None."""
+    sampling = sampling if sampling is not None else SamplingParams()
+    prompt = validate_prompt(prompt_tokens, sampling, vocab_size, max_seq_len)
+    for name, fn in callbacks.items():
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -2**31 <= priority < 2**31:
+        raise ValueError(f"priority must be an int in [-2**31, 2**31), got {priority!r}")
+    return prompt, sampling
 
 
 class RequestStatus(enum.Enum):

@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..runner import SequenceInput
+    from .execute import Span
     from .request import Request
+    from .timeline import SlotEvent
 
 LATENCY_WINDOW = 100_000  # requests whose TTFT and total time the latency statistics cover
 
@@ -69,22 +71,27 @@ class SchedulerStats:
 
 
 class Counters:
-    """Running counts, busy time and the latencies of the most recent requests only (so that a
-    long-running engine's memory stays bounded). Changed under the scheduler's lock."""
+    """Running counts, busy time, the latencies of the most recent requests only (so that a
+    long-running engine's memory stays bounded) and, when recording, the timeline. Changed under
+    the scheduler's lock."""
 
-    def __init__(self) -> None:
+    def __init__(self, record_timeline: bool = False) -> None:
         self.counts: collections.Counter[str] = collections.Counter()
         self.ttfts: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
         self.totals: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
         self.busy_time = 0.0
         self.started = time.perf_counter()
+        self.timeline: list[SlotEvent] | None = [] if record_timeline else None
 
     @property
     def steps(self) -> int:
         return self.counts["steps"]
 
-    def forward(self, seqs: Sequence[SequenceInput]) -> None:
-        """One forward: its prefill pieces, and whether it decoded, prefilled or both."""
+    def forward(self, seqs: Sequence[SequenceInput], spans: Sequence[Span]) -> None:
+        """One step's forward: its prefill pieces, whether it decoded, prefilled or both, and the
+        timeline's events of the forwards it took (more than one when a failed batch was rerun)."""
+        if self.timeline is not None:
+            self.timeline.extend(span.event(self.steps, self.started) for span in spans)
         pieces = sum(not s.decode for s in seqs)
         decoded = pieces < len(seqs)
         self.counts["prefill_chunks"] += pieces
