@@ -1,6 +1,6 @@
 """Request lifecycle and the batch scheduler, one part per job:
 
-- `batch_scheduler`: the threaded façade (`BatchScheduler`): the lock, the conditions, the loop
+- `batch_scheduler`: the threaded facade (`BatchScheduler`): the lock, the conditions, the loop
   thread and the public API; it wires the parts below together and does nothing else.
 - `planner`: each step's work within the token budget: admission, prefill pieces, preemption.
   No lock of its own, so its decisions can be read (and tested) as plain code.

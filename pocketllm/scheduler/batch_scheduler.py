@@ -1,4 +1,4 @@
-"""BatchScheduler: continuous batching over a fixed set of cache slots; the threaded façade.
+"""BatchScheduler: continuous batching over a fixed set of cache slots; the threaded facade.
 
 The Python counterpart of a C++ `QwenBatchScheduler`: submit/cancel/poll/stats/stop from any
 thread, and one loop iteration, `step()`:

@@ -22,7 +22,7 @@ from .request import Request
 from .stats import Counters
 from .stream import TextDeltas, TokenDelta
 
-# The scheduler's parts log under the façade's name: one logger to configure for the scheduler.
+# The scheduler's parts log under the facade's name: one logger to configure for the scheduler.
 logger = logging.getLogger("pocketllm.scheduler.batch_scheduler")
 
 Callback = Callable[[GenerationResult], None]

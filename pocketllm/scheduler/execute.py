@@ -18,7 +18,7 @@ from .request import Request
 from .slots import SlotManager
 from .timeline import SlotEvent
 
-# The scheduler's parts log under the façade's name: one logger to configure for the scheduler.
+# The scheduler's parts log under the facade's name: one logger to configure for the scheduler.
 logger = logging.getLogger("pocketllm.scheduler.batch_scheduler")
 
 Work = list[tuple[Request, SequenceInput]]

@@ -7,7 +7,7 @@ request at its best prefix placement, a preempted one swapped back in). A prompt
 the policy's request-local grid says, never where the budget runs out, so a long prompt does not
 stall the running requests for its whole prefill and its bits do not move. Before that, it swaps
 out what must make room (preempt() asked for it, or a waiting request outranks a running one and
-no slot is free). It has no lock and no thread: the façade calls it under its own lock.
+no slot is free). It has no lock and no thread: the facade calls it under its own lock.
 """
 
 from __future__ import annotations

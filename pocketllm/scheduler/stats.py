@@ -1,5 +1,5 @@
-"""What the scheduler has done: `Counters` is where the planner, the delivery and the façade
-count, under the façade's lock, so that every figure is counted in one place; `SchedulerStats`
+"""What the scheduler has done: `Counters` is where the planner, the delivery and the facade
+count, under the facade's lock, so that every figure is counted in one place; `SchedulerStats`
 is its snapshot, from `get_stats()`."""
 
 from __future__ import annotations
