@@ -275,10 +275,9 @@ class LLM:
             request.finish("error", f"{type(exc).__name__}: {exc}")
         finally:
             self.slots.release(request)
-        result = request.result()
-        if self.tokenizer is not None:
-            result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-        return result
+        detokenize = self._detokenizer()
+        request.text = None if detokenize is None else detokenize(request.token_ids)
+        return request.result()
 
 
 def _on_own_thread(fn: Callable[[], T]) -> T:
