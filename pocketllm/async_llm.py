@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import AsyncIterator, Sequence
 
 from .config import EngineArgs
@@ -24,8 +25,6 @@ from .sampling import SamplingParams
 from .scheduler import BatchScheduler
 from .scheduler.batch_scheduler import QueueFullError
 from .scheduler.stream import TokenDelta
-
-ROOM_POLL_S = 0.005  # how often a submission that waits for room in the queue tries again
 
 
 class AsyncLLM:
@@ -57,8 +56,7 @@ class AsyncLLM:
         the GenerationResult. Bad input raises before anything is queued. With `max_waiting`
         requests waiting, QueueFullError at once (`wait_s=0`), or once `wait_s` seconds passed
         without room (None: wait as long as it takes); the loop runs on meanwhile."""
-        llm = self.llm
-        tokens, params = llm.prepare(prompt_tokens, sampling_params, prompt)
+        tokens = self.llm.prepare(prompt_tokens, prompt)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenDelta | GenerationResult] = asyncio.Queue()
         scheduler = self.scheduler
@@ -70,16 +68,9 @@ class AsyncLLM:
         def on_token(delta: TokenDelta) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, delta)
 
-        deadline = None if wait_s is None else loop.time() + wait_s
-        while True:
-            try:
-                request_id = scheduler.submit_request(tokens, params, callback=on_result, on_token=on_token,
-                                                      priority=priority)
-                break
-            except QueueFullError:
-                if deadline is not None and loop.time() >= deadline:
-                    raise
-                await asyncio.sleep(ROOM_POLL_S)  # never block the loop on the queue's condition
+        submit = functools.partial(scheduler.submit_request, tokens, sampling_params, callback=on_result,
+                                   on_token=on_token, priority=priority)
+        request_id = await self._submit(submit, wait_s)
         ended = False
         try:
             while not ended:
@@ -90,6 +81,28 @@ class AsyncLLM:
             if not ended:  # left early or cancelled: the result callback collects what it did
                 scheduler.cancel_request(request_id)
 
+    async def _submit(self, submit: functools.partial[int], wait_s: float | None) -> int:
+        """submit() at once; when the queue is full and the caller waits, the scheduler's own wait
+        for room runs on a worker thread, so the event loop runs on meanwhile. A request that gets
+        in after its awaiting task was cancelled is cancelled too."""
+        try:
+            return submit()
+        except QueueFullError:
+            if wait_s is not None and wait_s <= 0:
+                raise
+        wait_ms = None if wait_s is None else wait_s * 1000
+        waiting = asyncio.ensure_future(asyncio.to_thread(submit, wait_ms=wait_ms))
+        try:
+            return await asyncio.shield(waiting)
+        except asyncio.CancelledError:
+            waiting.add_done_callback(self._cancel_late)
+            raise
+
+    def _cancel_late(self, done: asyncio.Future[int]) -> None:
+        """Cancel the request a submission queued after nobody was waiting for it any more."""
+        if not done.cancelled() and done.exception() is None:
+            self.scheduler.cancel_request(done.result())
+
     def close(self) -> None:
         """Stop the scheduler thread; unfinished requests end "cancelled"."""
         self.llm.close()
@@ -99,3 +112,4 @@ class AsyncLLM:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await asyncio.to_thread(self.close)  # joining the engine thread may wait for a step
+

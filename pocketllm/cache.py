@@ -13,9 +13,12 @@ last. Prefix reuse (see `scheduler/prefix_index.py`) takes a slot keeping its fi
 positions, or copies a prefix from another slot. K/V of a prefix are complete as they stand; a
 Gated DeltaNet layer also needs its states as they were after the prefix, so the scheduler keeps
 `prefix_states`: copies of a slot's conv and recurrent state at chunk boundaries of its prefill.
+These are primitives: which request holds which slot, and when contents may be reused, swapped
+or must be forgotten, is decided in one place, `scheduler/slots.py`.
 
-The size is computed before anything is allocated: a cache larger than the memory the device
-has free is refused at once with a ValueError, instead of failing deep inside the allocator.
+`cache_bytes` sizes a cache before anything is allocated, so that the engine refuses a cache
+larger than the memory the device has free (`require_memory`) before it reads any weight,
+instead of failing deep inside the allocator.
 """
 
 from __future__ import annotations
@@ -143,8 +146,6 @@ class SlotCache:
         self.max_seq_len = max_seq_len
         self.device = torch.device(device)
         self.nbytes = cache_bytes(num_slots, max_seq_len, layers, dtype)
-        require_memory(self.nbytes, device, f"a slot cache of max_batch_size={num_slots} slots x "
-                                            f"max_seq_len={max_seq_len} positions")
         self.k: list[torch.Tensor | None] = []
         self.v: list[torch.Tensor | None] = []
         self.conv: list[torch.Tensor | None] = []

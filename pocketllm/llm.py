@@ -23,7 +23,7 @@ from .outputs import GenerationResult
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import BatchScheduler, PrefillPolicy, Request, is_array, validate_prompt
-from .scheduler.policy import check_budget
+from .scheduler.slots import SlotManager
 from .scheduler.stream import TokenDelta
 from .tokenizer import load_tokenizer
 
@@ -66,8 +66,7 @@ class LLM:
         self.device = torch.device(args.device)
         self.model_config = ModelConfig.from_dir(args.model)
         engine = args.options.engine
-        self.policy = self._prefill_policy()
-        check_budget(self.policy, args.max_batch_size, args.max_seq_len)
+        self.policy = self._prefill_policy()  # its token budget is checked where it is spent: the scheduler
         self._check_memory()
         self.invariance_report: ProbeReport | None = None
         # With a scheduler thread, every forward runs there; building here would leave this
@@ -84,6 +83,8 @@ class LLM:
                                             request_ids=self._ids, policy=self.policy, max_waiting=engine.max_waiting,
                                             max_swap_bytes=engine.max_swap_bytes, detokenize=self._detokenizer())
             weakref.finalize(self, self.scheduler.stop)
+        # What the slots hold: the scheduler's manager when batched, one for the serial path else.
+        self.slots = self.scheduler.slots if self.scheduler is not None else SlotManager(self.cache, self.policy)
         self.capabilities = Capabilities(self.scheduler is not None, args.backend, args.max_batch_size,
                                          args.max_seq_len, batch_invariant, self.cache.nbytes,
                                          self._snapshot_bytes_per_slot())
@@ -219,14 +220,13 @@ class LLM:
             token_prompts = [prompt_tokens] if single else list(prompt_tokens)
         params_list = _params_list(sampling_params, len(token_prompts))
         if self.scheduler is not None:
-            # Stepped on this thread, not the scheduler's (see BatchScheduler.generate).
-            results = self.scheduler.generate(self._validated(token_prompts, params_list), priority)
+            # Checked, stepped and decoded there, on this thread (see BatchScheduler.generate).
+            results = self.scheduler.generate(list(zip(token_prompts, params_list)), priority)
         else:
-            results = [self._run_serial(self.make_request(p, sp))
-                       for p, sp in self._validated(token_prompts, params_list)]
-        if self.tokenizer is not None:
-            for result in results:
-                result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+            cfg = self.model_config
+            checked = [(validate_prompt(p, sp, cfg.vocab_size, self.args.max_seq_len), sp)
+                       for p, sp in zip(token_prompts, params_list)]
+            results = [self._run_serial(self.make_request(p, sp)) for p, sp in checked]
         return results[0] if single else results
 
     def stream(self, prompt_tokens: Sequence[int] | None = None, sampling_params: SamplingParams | None = None, *,
@@ -236,18 +236,17 @@ class LLM:
         loop early cancels the request."""
         if self.scheduler is None:
             raise RuntimeError("stream() needs the batch scheduler: backend_options={'enable_batching': True}")
-        tokens, params = self.prepare(prompt_tokens, sampling_params, prompt)
-        yield from self.scheduler.stream(self.scheduler.submit_request(tokens, params, priority=priority))
+        tokens = self.prepare(prompt_tokens, prompt)
+        yield from self.scheduler.stream(self.scheduler.submit_request(tokens, sampling_params, priority=priority))
 
-    def prepare(self, prompt_tokens: Sequence[int] | None, sampling_params: SamplingParams | None,
-                prompt: str | None = None) -> tuple[list[int], SamplingParams]:
-        """One prompt (token ids or text, not both) and its params, checked: what a submit takes."""
+    def prepare(self, prompt_tokens: Sequence[int] | None, prompt: str | None = None) -> Sequence[int]:
+        """One prompt, token ids or text (encoded here), not both: what a submit takes (and checks)."""
         if (prompt is None) == (prompt_tokens is None):
             raise TypeError("pass one prompt: prompt_tokens (token ids) or prompt (text)")
-        tokens = self._encode([prompt])[0] if prompt is not None else prompt_tokens
-        (checked, params), = self._validated([tokens], [sampling_params if sampling_params is not None
-                                                         else SamplingParams()])
-        return checked, params
+        if prompt is not None:
+            return self._encode([prompt])[0]
+        assert prompt_tokens is not None
+        return prompt_tokens
 
     def _encode(self, prompts: Sequence[str]) -> list[list[int]]:
         """Check text prompts, then encode them; loading the tokenizer here raises the reason
@@ -265,23 +264,20 @@ class LLM:
             self.tokenizer = load_tokenizer(self.args.model, required=True)
         return [self.tokenizer.encode(text, add_special_tokens=False).ids for text in prompts]
 
-    def _validated(self, prompts: list, params_list: list[SamplingParams]) -> list[tuple[list[int], SamplingParams]]:
-        cfg = self.model_config
-        return [(validate_prompt(p, sp, cfg.vocab_size, self.args.max_seq_len), sp)
-                for p, sp in zip(prompts, params_list)]
-
     def _run_serial(self, request: Request) -> GenerationResult:
         """Prefill piece by piece (the cuts of the batched path), then decode one token at a time,
         in a slot of the shared cache, cold: nothing is reused."""
-        request.slot = self.cache.allocate()
+        self.slots.admit_cold(request)
         try:
             while not request.finished:
-                seq = request.prefill_input(self.policy) if request.prefilling else request.decode_input()
+                seq = request.next_input(self.policy)
                 request.advance(seq, self.runner.run([seq])[0])
         except Exception as exc:  # the engine keeps serving; the request records why it ended
             request.finish("error", f"{type(exc).__name__}: {exc}")
-        finally:  # a failed forward may have written the slot: then it claims no contents
-            self.cache.free(request.slot, [] if request.finish_reason == "error" else request.held_tokens())
+        finally:
+            self.slots.release(request)
+        detokenize = self._detokenizer()
+        request.text = None if detokenize is None else detokenize(request.token_ids)
         return request.result()
 
 

@@ -2,9 +2,9 @@
 each sequence that samples (decode rows, and prefill pieces that end their prompt).
 
 The serial path and the batch scheduler both step requests through here, on the same slot cache.
-A forward either returns a finite (token, logprob) for every sequence, or raises with the
-recurrent (Gated DeltaNet) states of its slots as they were before it: so a failed batch can be
-rerun, request by request, to find the request that failed.
+A forward either returns a finite (token, logprob) for every sequence, or raises; it touches the
+cache only through the model's forward (what the slots hold is the slot manager's business, and so
+is putting their states back before a failed batch is rerun: see `scheduler/execute.py`).
 """
 
 from __future__ import annotations
@@ -52,21 +52,13 @@ class ModelRunner:
     def run(self, seqs: list[SequenceInput]) -> list[tuple[int, float] | None]:
         """One forward over all `seqs` (decode rows and prefill pieces mixed); returns, in order,
         (token, logprob) for each sequence that samples and None for each that does not.
-
-        Raises NonFiniteOutputError for a non-finite output; on any exception the slots' recurrent
-        states are restored first (K/V need no restoring: a rerun rewrites the same positions)."""
+        Raises NonFiniteOutputError for a non-finite output."""
         if not seqs:
             return []
         # Decode sequences first: the batch layout the ops dispatch on (see ForwardBatch).
         order = sorted(range(len(seqs)), key=lambda i: not seqs[i].decode)
         ordered = [seqs[i] for i in order]
-        slots, starts = [s.slot for s in ordered], [s.start for s in ordered]
-        saved = self.cache.snapshot_states(slots, starts)
-        try:
-            sampled = iter(self._forward_and_sample(ordered, slots, starts))
-        except BaseException:
-            self.cache.restore_states(saved)
-            raise
+        sampled = iter(self._forward_and_sample(ordered, [s.slot for s in ordered], [s.start for s in ordered]))
         outputs: list[tuple[int, float] | None] = [None] * len(seqs)
         for i in order:
             if seqs[i].sample:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..options import EngineOptions
+
 # The Gated DeltaNet chunk and the attention key block: chunk sizes and snapshot intervals are
 # multiples of it, so that a cut never splits a kernel's block.
 GRID = 64
@@ -24,10 +26,11 @@ class PrefillPolicy:
     is reused: a warm prompt could not run the pieces of its cold run. `max_num_batched_tokens`:
     tokens one step runs, decode rows included."""
 
-    max_num_batched_tokens: int = 2048
-    chunk_size: int = 512
-    snapshot_interval: int = 0
-    prefix_reuse: bool = True
+    # Defaults: the engine's options (their meaning and range are documented there).
+    max_num_batched_tokens: int = EngineOptions.max_num_batched_tokens
+    chunk_size: int = EngineOptions.prefill_chunk_size
+    snapshot_interval: int = EngineOptions.state_snapshot_interval
+    prefix_reuse: bool = EngineOptions.enable_prefix_reuse
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "snapshot_interval"):

@@ -1,13 +1,14 @@
-"""Request: one generation's state from submission to its single terminal state."""
+"""Request: one generation's state from submission to its single terminal state, and the checks
+a submission passes before a request is made of it."""
 
 from __future__ import annotations
 
 import enum
 import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,6 +17,9 @@ from ..outputs import FinishReason, GenerationResult
 from ..runner import SequenceInput
 from ..sampling import SamplingParams
 from .policy import PrefillPolicy
+
+if TYPE_CHECKING:
+    from .delivery import Subscriber
 
 
 def is_array(value: Any) -> bool:
@@ -71,6 +75,20 @@ def validate_prompt(prompt_tokens: Sequence[int], params: SamplingParams, vocab_
     return prompt
 
 
+def check_submission(prompt_tokens: Sequence[int], sampling: SamplingParams | None, priority: int, vocab_size: int,
+                     max_seq_len: int, **callbacks: Callable[..., None] | None) -> tuple[list[int], SamplingParams]:
+    """What a submission gives, every argument checked (TypeError/ValueError): the prompt as ints
+    and its params (None: the defaults); `callbacks` must be callable or None."""
+    sampling = sampling if sampling is not None else SamplingParams()
+    prompt = validate_prompt(prompt_tokens, sampling, vocab_size, max_seq_len)
+    for name, fn in callbacks.items():
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -2**31 <= priority < 2**31:
+        raise ValueError(f"priority must be an int in [-2**31, 2**31), got {priority!r}")
+    return prompt, sampling
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -99,6 +117,8 @@ class Request:
     swapped: SwappedSlot | None = None  # its slot's contents while preempted
     swapped_step: int = -1  # the step that last swapped it out
     preempt_requested: bool = False
+    subscriber: Subscriber | None = None  # who is told of its tokens and its result
+    text: str | None = None  # its tokens decoded, once it has ended (when the engine detokenizes)
 
     @property
     def order(self) -> tuple[int, int]:
@@ -127,6 +147,10 @@ class Request:
         end = policy.piece_end(self.num_prefilled, len(self.prompt_tokens))
         return SequenceInput(self.assigned_slot, self.num_prefilled, self.prompt_tokens[self.num_prefilled:end],
                              self.params, self.seed, decode=False, sample=end == len(self.prompt_tokens))
+
+    def next_input(self, policy: PrefillPolicy) -> SequenceInput:
+        """The next piece of the prompt while it lasts, then a decode row."""
+        return self.prefill_input(policy) if self.prefilling else self.decode_input()
 
     def decode_input(self) -> SequenceInput:
         return SequenceInput(self.assigned_slot, self.num_cached, [self.token_ids[-1]], self.params, self.seed,
@@ -177,4 +201,5 @@ class Request:
             seed=self.seed,
             ttft_s=None if self.first_token_time is None else self.first_token_time - self.submit_time,
             total_time_s=None if self.finish_time is None else self.finish_time - self.submit_time,
+            text=self.text,
         )

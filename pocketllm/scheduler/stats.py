@@ -1,9 +1,22 @@
-"""SchedulerStats: a snapshot of what the scheduler has done, from `get_stats()`."""
+"""What the scheduler has done: `Counters` is where the planner, the delivery and the facade
+count, under the facade's lock, so that every figure is counted in one place; `SchedulerStats`
+is its snapshot, from `get_stats()`."""
 
 from __future__ import annotations
 
+import collections
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..runner import SequenceInput
+    from .execute import Span
+    from .request import Request
+    from .timeline import SlotEvent
+
+LATENCY_WINDOW = 100_000  # requests whose TTFT and total time the latency statistics cover
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -18,7 +31,7 @@ def percentile(values: list[float], q: float) -> float:
 @dataclass(frozen=True)
 class SchedulerStats:
     """Counts since the scheduler started; latency figures (ttft_*, total_time_*) over the most
-    recent requests (batch_scheduler.LATENCY_WINDOW of them)."""
+    recent requests (LATENCY_WINDOW of them)."""
 
     waiting: int
     running: int
@@ -56,14 +69,59 @@ class SchedulerStats:
         """Generated tokens per second of busy time."""
         return self.generated_tokens / self.busy_time_s if self.busy_time_s > 0 else 0.0
 
-    @property
-    def chunks_per_step(self) -> float:
-        """Prefill pieces per forward that prefilled."""
-        return self.prefill_chunks / self.prefill_batches if self.prefill_batches else 0.0
 
-    @classmethod
-    def build(cls, ttfts: list[float], totals: list[float], **counts: Any) -> SchedulerStats:
+class Counters:
+    """Running counts, busy time, the latencies of the most recent requests only (so that a
+    long-running engine's memory stays bounded) and, when recording, the timeline. Changed under
+    the scheduler's lock."""
+
+    def __init__(self, record_timeline: bool = False) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.ttfts: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
+        self.totals: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
+        self.busy_time = 0.0
+        self.started = time.perf_counter()
+        self.timeline: list[SlotEvent] | None = [] if record_timeline else None
+
+    @property
+    def steps(self) -> int:
+        return self.counts["steps"]
+
+    def forward(self, seqs: Sequence[SequenceInput], spans: Sequence[Span]) -> None:
+        """One step's forward: its prefill pieces, whether it decoded, prefilled or both, and the
+        timeline's events of the forwards it took (more than one when a failed batch was rerun)."""
+        if self.timeline is not None:
+            self.timeline.extend(span.event(self.steps, self.started) for span in spans)
+        pieces = sum(not s.decode for s in seqs)
+        decoded = pieces < len(seqs)
+        self.counts["prefill_chunks"] += pieces
+        self.counts["prefill_batches"] += pieces > 0
+        self.counts["decode_batches"] += decoded
+        self.counts["mixed_steps"] += decoded and pieces > 0
+
+    def ended(self, request: Request) -> None:
+        """A request that has reached its terminal state."""
+        reason = request.finish_reason
+        assert reason is not None  # a request is counted once it has finished
+        self.counts["finished" if reason in ("stop", "length") else reason] += 1
+        self.counts["generated_tokens"] += len(request.token_ids)
+        result = request.result()
+        if result.ttft_s is not None:
+            self.ttfts.append(result.ttft_s)
+        assert result.total_time_s is not None  # a finished request has its finish time
+        self.totals.append(result.total_time_s)
+
+    def snapshot(self, **now: Any) -> SchedulerStats:
+        """The stats, with `now` (what the queues and the cache hold at this moment)."""
+        c, ttfts, totals = self.counts, list(self.ttfts), list(self.totals)
         mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
-        return cls(ttft_mean_s=mean(ttfts), ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
-                   total_time_mean_s=mean(totals), total_time_p50_s=percentile(totals, 50),
-                   total_time_p99_s=percentile(totals, 99), **counts)
+        return SchedulerStats(
+            finished=c["finished"], cancelled=c["cancelled"], errored=c["error"], prompt_tokens=c["prompt_tokens"],
+            generated_tokens=c["generated_tokens"], steps=c["steps"], prefill_batches=c["prefill_batches"],
+            decode_batches=c["decode_batches"], callback_errors=c["callback_errors"], busy_time_s=self.busy_time,
+            prefill_chunks=c["prefill_chunks"], mixed_steps=c["mixed_steps"], prefix_hits=c["prefix_hits"],
+            prefix_copies=c["prefix_copies"], prefix_tokens_reused=c["prefix_tokens_reused"],
+            preemptions=c["preemptions"], swapped_bytes=c["swapped_bytes"],
+            ttft_mean_s=mean(ttfts), ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
+            total_time_mean_s=mean(totals), total_time_p50_s=percentile(totals, 50),
+            total_time_p99_s=percentile(totals, 99), **now)

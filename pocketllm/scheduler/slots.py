@@ -1,0 +1,161 @@
+"""SlotManager: the one owner of what the slots hold, between the slot cache (tensors) and the
+requests. The serial path and the scheduler both go through it, so a request's slot lifecycle
+(allocation, prefix reuse, state snapshots, swap, the rule that a failed slot keeps no contents)
+is written once.
+
+Prefix reuse: a new request takes the slot whose contents share the longest reusable prefix
+with its prompt (free slots first at equal length, then the least recently used); when the best
+donor is busy, the prefix is copied into a free slot instead. The reused length is rounded down
+to the policy's reuse grid, and only prefilled positions are ever reused (see `PrefixIndex`), so
+the rest of the prompt runs the pieces, and gets the bits, of a cold run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..cache import SlotCache, StateSnapshot
+from ..runner import SequenceInput
+from .policy import PrefillPolicy
+from .prefix_index import PrefixIndex
+from .request import Request
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request goes: `slot` (free) with its first `reused` tokens taken from `donor`
+    (the slot itself when it was retained, another slot when copied; None: nothing reused)."""
+
+    slot: int
+    reused: int
+    donor: int | None
+
+    @property
+    def copied(self) -> bool:
+        return self.donor is not None and self.donor != self.slot
+
+
+class SlotManager:
+    def __init__(self, cache: SlotCache, policy: PrefillPolicy) -> None:
+        self.cache = cache
+        self.policy = policy
+        self.index = PrefixIndex(cache.num_slots, policy.reuse_grid or 1)  # grid 0: nothing is reused
+        # Slots whose contents were swapped in: they hold no state copies, so they are not donors
+        # until another request takes them.
+        self._unindexed: set[int] = set()
+        self.swap_held = 0  # bytes of swapped-out slots in host memory
+
+    @property
+    def num_free(self) -> int:
+        return self.cache.num_free
+
+    def configure(self, policy: PrefillPolicy) -> None:
+        """Run on `policy` from now on; what the slots hold stays reusable only when the reuse grid
+        and the snapshot interval are unchanged."""
+        old, self.policy = self.policy, policy
+        if (policy.reuse_grid, policy.snapshot_interval) != (old.reuse_grid, old.snapshot_interval):
+            self.index = PrefixIndex(self.cache.num_slots, policy.reuse_grid or 1)
+            self._unindexed.clear()
+            for slot in range(self.cache.num_slots):
+                self.cache.forget(slot)
+
+    # -- taking and releasing slots ----------------------------------------------------------
+
+    def place(self, prompt: Sequence[int]) -> Placement:
+        """The best free slot for `prompt`, and the prefix it can reuse. A free slot must exist."""
+        free = self.cache.free_slots  # least recently used first
+        limit = self.policy.reusable(len(prompt), len(prompt))
+        matches = self.index.match(prompt, limit) if limit else {}
+        # Longest prefix; at equal length a free slot (no copy), then the least recently used.
+        rank = {slot: i for i, slot in enumerate(free)}
+        best = max(matches, key=lambda s: (matches[s], s in rank, -rank.get(s, 0)), default=None)
+        reused = 0 if best is None else self.index.verified(best, prompt, matches[best])
+        if not reused:
+            return Placement(free[0], 0, None)
+        return Placement(best if best in rank else free[0], reused, best)
+
+    def admit(self, request: Request, placement: Placement) -> None:
+        """Give `request` the placement's slot with its reused prefix in place (copied if need be)."""
+        slot, reused = placement.slot, placement.reused
+        if placement.copied:
+            assert placement.donor is not None
+            self.cache.allocate(slot)
+            self.cache.copy_prefix(placement.donor, slot, reused)
+        else:
+            self.cache.allocate(slot, keep=reused)
+        self.index.truncate(slot, 0)
+        self.index.extend(slot, request.prompt_tokens, reused)
+        self._unindexed.discard(slot)
+        request.slot, request.num_prefilled = slot, reused
+
+    def admit_cold(self, request: Request) -> None:
+        """Give `request` the least recently used free slot, reusing nothing."""
+        slot = self.cache.allocate()
+        self.index.truncate(slot, 0)
+        self._unindexed.discard(slot)
+        request.slot, request.num_prefilled = slot, 0
+
+    def prefilled(self, request: Request) -> None:
+        """The request's slot now holds its prompt up to `num_prefilled`: keep its states there when
+        that is on the snapshot grid, and index it."""
+        slot, length = request.assigned_slot, request.num_prefilled
+        if slot in self._unindexed:
+            return
+        interval = self.policy.snapshot_interval
+        if interval and length % interval == 0:
+            self.cache.save_prefix_state(slot, length)
+        self.index.extend(slot, request.prompt_tokens, length)
+
+    def release(self, request: Request) -> None:
+        """Free an ended request's slot. A failed request's slot claims no contents: a failed
+        forward may have written them."""
+        slot = request.assigned_slot
+        if request.finish_reason == "error":
+            self.index.truncate(slot, 0)
+            self.cache.forget(slot)
+            self.cache.free(slot, [])
+        else:
+            self.cache.free(slot, request.held_tokens())
+        request.slot = None
+
+    # -- a forward's recurrent states ------------------------------------------------------
+
+    def guard(self, seqs: Sequence[SequenceInput]) -> StateSnapshot | None:
+        """What `restore` needs to undo a forward over `seqs` (recurrent states only: a rerun
+        rewrites the same K/V positions)."""
+        return self.cache.snapshot_states([s.slot for s in seqs], [s.start for s in seqs])
+
+    def restore(self, saved: StateSnapshot | None) -> None:
+        self.cache.restore_states(saved)
+
+    # -- swap -----------------------------------------------------------------------------
+
+    def swap_bytes(self, request: Request, extra: int = 0) -> int:
+        """Host memory held once `request` (with `extra` more tokens cached) is swapped out too."""
+        return self.swap_held + self.cache.swap_bytes(request.num_cached + extra)
+
+    def swap_out(self, request: Request) -> None:
+        """Copy a running request's slot to host memory, bit for bit, and free the slot (its
+        contents stay reusable)."""
+        slot = request.assigned_slot
+        request.swapped = self.cache.swap_out(slot, request.num_cached)
+        self.cache.free(slot, request.held_tokens())
+        request.slot = None
+        self.swap_held += request.swapped.nbytes
+
+    def swap_in(self, request: Request) -> None:
+        """Bring a swapped-out request back into the least recently used free slot, bit for bit."""
+        assert request.swapped is not None
+        slot = self.cache.allocate()
+        self.index.truncate(slot, 0)
+        self._unindexed.add(slot)
+        self.cache.swap_in(slot, request.swapped)
+        request.slot = slot
+        self.drop_swap(request)
+
+    def drop_swap(self, request: Request) -> None:
+        """Let go of a request's host copy (swapped back in, or ended while swapped out)."""
+        if request.swapped is not None:
+            self.swap_held -= request.swapped.nbytes
+            request.swapped = None
