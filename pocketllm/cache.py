@@ -58,21 +58,6 @@ def attention_spec(cfg: ModelConfig) -> AttentionCacheSpec:
     return AttentionCacheSpec(cfg.num_key_value_heads, cfg.head_dim)
 
 
-def recurrent_spec(cfg: ModelConfig) -> RecurrentCacheSpec:
-    """Conv window and recurrent state per slot of a Gated DeltaNet layer."""
-    conv_dim = (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
-                + cfg.linear_num_value_heads * cfg.linear_value_head_dim)
-    return RecurrentCacheSpec(conv_dim, cfg.linear_conv_kernel_dim, cfg.linear_num_value_heads,
-                              cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-
-
-def layer_specs(cfg: ModelConfig) -> list[LayerCacheSpec]:
-    """What each layer of `cfg` keeps per slot, known before the model is built (for sizing); the
-    mixers take their specs from the same two functions."""
-    attention, recurrent = attention_spec(cfg), recurrent_spec(cfg)
-    return [attention if kind == "full_attention" else recurrent for kind in cfg.layer_types]
-
-
 def cache_bytes(num_slots: int, max_seq_len: int, layers: list[LayerCacheSpec], dtype: torch.dtype) -> int:
     """Bytes the slot tensors of these layers take (Python ints: no overflow for absurd sizes)."""
     item = torch.empty((), dtype=dtype).element_size()

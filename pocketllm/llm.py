@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
 
-from .cache import RecurrentCacheSpec, SlotCache, cache_bytes, layer_specs, require_memory
+from .cache import RecurrentCacheSpec, SlotCache, cache_bytes, require_memory
 from .config import EngineArgs, ModelConfig
 from .kernels import get_ops
 from .kernels.backends import get_backend
 from .kernels.probe import ProbeReport, probe_row_invariance
 from .models import build_model
+from .models.registry import layer_specs
 from .outputs import GenerationResult
 from .runner import ModelRunner
 from .sampling import SamplingParams

@@ -18,12 +18,17 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 root=${MUTATION_WORKDIR:-/tmp/pocketllm-mutation}
 python=${PYTHON:-python}
 
+# The scheduler's parts are reached through its API: one selection serves them.
+scheduler_tests="tests/scheduler/test_lifecycle.py tests/scheduler/test_cancel_poll.py tests/scheduler/test_callbacks_errors.py tests/scheduler/test_stats.py tests/scheduler/test_slot_state.py tests/scheduler/test_background_driver.py tests/scheduler/test_step_accounting.py tests/scheduler/test_poll_timeout.py tests/scheduler/test_scheduler_api_edges.py tests/scheduler/test_stop_thread.py --deselect=tests/scheduler/test_stop_thread.py::test_close_from_a_callback_does_not_deadlock"
 declare -A TESTS=(
   [pocketllm.sampling]="tests/engine/test_generate_api.py -k sampling_params tests/engine/test_sampling_params.py"
   [pocketllm.cache]="tests/engine/test_slot_cache.py tests/scheduler/test_slot_state.py"
   [pocketllm.models.batch]="tests/models/test_batch.py tests/scheduler/test_slot_state.py"
   [pocketllm.scheduler.request]="tests/scheduler/test_request.py tests/scheduler/test_slot_state.py tests/scheduler/test_lifecycle.py"
-  [pocketllm.scheduler.batch_scheduler]="tests/scheduler/test_lifecycle.py tests/scheduler/test_cancel_poll.py tests/scheduler/test_callbacks_errors.py tests/scheduler/test_stats.py tests/scheduler/test_slot_state.py tests/scheduler/test_background_driver.py tests/scheduler/test_step_accounting.py tests/scheduler/test_poll_timeout.py tests/scheduler/test_scheduler_api_edges.py tests/scheduler/test_stop_thread.py --deselect=tests/scheduler/test_stop_thread.py::test_close_from_a_callback_does_not_deadlock"
+  [pocketllm.scheduler.batch_scheduler]="$scheduler_tests"
+  [pocketllm.scheduler.planner]="$scheduler_tests"
+  [pocketllm.scheduler.delivery]="$scheduler_tests"
+  [pocketllm.scheduler.slots]="tests/engine/test_slot_cache.py tests/scheduler/test_slot_state.py tests/scheduler/test_lifecycle.py"
   [pocketllm.kernels.sample]="tests/kernels/test_sampling.py tests/kernels/test_sampling_boundaries.py tests/kernels/test_sampling_spec.py"
   [pocketllm.kernels.rms_norm]="tests/kernels/test_ops_reference.py tests/kernels/test_norm_reference.py"
   [pocketllm.kernels.rms_norm_gated]="tests/kernels/test_ops_reference.py tests/kernels/test_norm_reference.py"

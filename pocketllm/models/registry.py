@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..cache import LayerCacheSpec, attention_spec
 from ..config import ConfigDefaults, ModelConfig
 from ..kernels import Ops
 from . import qwen3, qwen3_5
@@ -46,3 +47,19 @@ def build_model(path: str | Path, cfg: ModelConfig, ops: Ops, dtype: torch.dtype
     family = ARCHITECTURES[cfg.architecture]
     weights = load_weights(path, family.expected_weights(cfg), dtype, device, skip=family.skip_weight)
     return family.model(cfg, weights, ops, max_seq_len)
+
+
+def layer_specs(cfg: ModelConfig) -> list[LayerCacheSpec]:
+    """What each layer of `cfg` keeps per slot, known before the model is built (for sizing); the
+    mixers take their specs from the same functions (attention's, and the family's recurrent one)."""
+    family = ARCHITECTURES.get(cfg.architecture)  # unknown: build_model refuses it, naming config.json
+    recurrent = family.recurrent_spec if family is not None else None
+    specs: list[LayerCacheSpec] = []
+    for kind in cfg.layer_types:
+        if kind == "full_attention":
+            specs.append(attention_spec(cfg))
+        elif recurrent is None:
+            raise ValueError(f"{cfg.architecture}: layer type {kind!r} needs a family with a recurrent state")
+        else:
+            specs.append(recurrent(cfg))
+    return specs

@@ -11,11 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..kernels.grid import POSITION_GRID
 from ..options import EngineOptions
-
-# The Gated DeltaNet chunk and the attention key block: chunk sizes and snapshot intervals are
-# multiples of it, so that a cut never splits a kernel's block.
-GRID = 64
 
 
 @dataclass(frozen=True)
@@ -35,8 +32,8 @@ class PrefillPolicy:
     def __post_init__(self) -> None:
         for name in ("chunk_size", "snapshot_interval"):
             value = getattr(self, name)
-            if value < 0 or value % GRID:
-                raise ValueError(f"{name} must be 0 or a positive multiple of {GRID}, got {value}")
+            if value < 0 or value % POSITION_GRID:
+                raise ValueError(f"{name} must be 0 or a positive multiple of {POSITION_GRID}, got {value}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 

@@ -244,7 +244,7 @@ def test_cache_size_is_reported(llm, checkpoint_dir):
 def test_cache_sizing_uses_the_models_own_cache_layout(checkpoint_dir, variant):
     """The size checked before the model is built comes from the same per-layer layout the model
     asks for once built."""
-    from pocketllm.cache import layer_specs
+    from pocketllm.models.registry import layer_specs
 
     engine = LLM(EngineArgs(model=str(checkpoint_dir(variant)), max_seq_len=MAX_SEQ_LEN,
                             backend_options={"max_batch_size": 1}))
