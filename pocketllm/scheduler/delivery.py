@@ -65,8 +65,7 @@ class Delivery:
         """The record for a request with these callbacks (None without any)."""
         if callback is None and on_token is None:
             return None
-        texts = TextDeltas(self.detokenize) if on_token is not None and self.detokenize is not None else None
-        return Subscriber(callback, on_token, texts)
+        return Subscriber(callback, on_token, self.texts() if on_token is not None else None)
 
     def texts(self) -> TextDeltas | None:
         """A fresh detokenizer for one consumer of one request's tokens (None without one)."""

@@ -57,7 +57,7 @@ class Planner:
             admitted = self._admit_first(budget)
             if admitted is None:
                 break
-            item = admitted.decode_input() if admitted.token_ids else admitted.prefill_input(self.policy)
+            item = admitted.next_input(self.policy)
             budget -= len(item.token_ids)
             work.append((admitted, item))
         return work
