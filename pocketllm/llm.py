@@ -23,7 +23,7 @@ from .models.registry import layer_specs
 from .outputs import GenerationResult
 from .runner import ModelRunner
 from .sampling import SamplingParams
-from .scheduler import BatchScheduler, PrefillPolicy, Request, is_array, validate_prompt
+from .scheduler import BatchScheduler, PrefillPolicy, Request, check_submission, is_array
 from .scheduler.slots import SlotManager
 from .scheduler.stream import TokenDelta
 from .tokenizer import load_tokenizer
@@ -225,7 +225,7 @@ class LLM:
             results = self.scheduler.generate(list(zip(token_prompts, params_list)), priority)
         else:
             cfg = self.model_config
-            checked = [(validate_prompt(p, sp, cfg.vocab_size, self.args.max_seq_len), sp)
+            checked = [check_submission(p, sp, priority, cfg.vocab_size, self.args.max_seq_len)
                        for p, sp in zip(token_prompts, params_list)]
             results = [self._run_serial(self.make_request(p, sp)) for p, sp in checked]
         return results[0] if single else results

@@ -9,9 +9,10 @@ This module owns what the parts must not: the lock, the conditions and the threa
 background thread, it alone calls `step()` while there is work, and sleeps on a condition
 otherwise: every forward runs on that one thread (see `_drive`). Without it, the callers step the
 loop: `generate()`, `stream()` and a poll that waits without a timeout do (deterministic tests step
-by hand). The forward runs outside the lock, so submit, cancel and a poll with a timeout never wait
-for the model. Every submitted request reaches exactly one terminal state ("stop", "length",
-"cancelled" or "error"), and its slot is freed when it does.
+by hand), and so does the scheduler thread itself when a callback on it waits (see `_drive`). The
+forward runs outside the lock, so submit, cancel and a poll with a timeout never wait for the
+model. Every submitted request reaches exactly one terminal state ("stop", "length", "cancelled"
+or "error"), and its slot is freed when it does.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from ..cache import SlotCache
 from ..outputs import GenerationResult
 from ..runner import ModelRunner
 from ..sampling import SamplingParams
-from .delivery import Callback, Delivery, Subscriber, TokenCallback, token_delta, with_text
+from .delivery import Callback, Delivery, Subscriber, TokenCallback, token_delta
 from .execute import Outcome, Span, Work, execute
 from .planner import Planner
-from .policy import PrefillPolicy, check_budget
+from .policy import PrefillPolicy, check_policy
 from .request import Request, RequestStatus, check_submission
 from .slots import SlotManager
 from .stats import Counters, SchedulerStats
@@ -59,7 +60,7 @@ class BatchScheduler:
         `max_swap_bytes`: host memory preempted requests may hold (0: no limit, for both).
         `detokenize`: token ids -> text; with it, results and token deltas carry text."""
         policy = policy if policy is not None else PrefillPolicy()
-        check_budget(policy, cache.num_slots, max_seq_len)
+        check_policy(policy, cache.num_slots, max_seq_len, cache.has_states)
         self.runner, self.cache = runner, cache
         self.vocab_size, self.max_seq_len, self.eos_token_ids = vocab_size, max_seq_len, eos_token_ids
         self.max_waiting = max_waiting
@@ -73,6 +74,7 @@ class BatchScheduler:
         self.planner = Planner(self.slots, policy, self.counters, max_swap_bytes)
         self.delivery = Delivery(self._lock, self.counters, detokenize)
         self._requests: dict[int, Request] = {}  # submitted, result not yet collected
+        self._detached: set[int] = set()  # ids whose results nobody collects: dropped once they end
         self._stepping = self._stopped = self._draining = False  # _draining: stop(drain=True) is finishing
         self._thread: threading.Thread | None = None
         if background_thread:
@@ -98,29 +100,33 @@ class BatchScheduler:
         `priority`: lower runs first, first come first served among equals; a waiting request
         preempts a running one of a higher value when no slot is free. `callback(result)` runs once
         the request has ended, `on_token(delta)` after each token, both on the thread that ran the
-        step, outside the scheduler's lock. With `max_waiting` requests waiting, a submission
-        raises QueueFullError at once (`wait_ms=0`), after waiting up to `wait_ms` for room, or
-        waits as long as it takes (None)."""
+        step, outside the scheduler's lock (a delta whose token ends inside a character comes with
+        the token that completes it, or when the request ends). With `max_waiting` requests
+        waiting, a submission raises QueueFullError at once (`wait_ms=0`), after waiting up to
+        `wait_ms` for room, or waits as long as it takes (None; stepping the loop itself where
+        nobody else would, as `_drive` does)."""
+        until = deadline(wait_ms, "wait_ms")
         prompt, sampling = check_submission(prompt_tokens, sampling, priority, self.vocab_size, self.max_seq_len,
                                             callback=callback, on_token=on_token)
-        return self._enqueue(prompt, sampling, priority, self.delivery.subscribe(callback, on_token),
-                             deadline(wait_ms))
+        return self._enqueue(prompt, sampling, priority, self.delivery.subscribe(callback, on_token), until)
 
     def preempt(self, request_id: int) -> bool:
         """Swap a running request out at the start of the next step: its slot's K/V and states go
         to host memory bit for bit and the slot is freed; it waits again (in its priority order)
         and is swapped back into a free slot later, then continues as if never interrupted. False
         if it is not running (or already ending); SwapSpaceError when `max_swap_bytes` would be
-        exceeded."""
+        exceeded. True sets the swap's bytes aside, so the swap happens unless the request ends
+        first; its size is that after the step in progress, the one the automatic path checks."""
         with self._lock:
             request = self._requests.get(request_id)
             if (request is None or request.status is not RequestStatus.RUNNING or request.finished
                     or request.cancel_requested or request.preempt_requested):
                 return False
-            if not self.planner.swap_fits(request, extra=1):
-                raise SwapSpaceError(f"swapping request {request_id} out would hold "
-                                     f"{self.slots.swap_bytes(request, 1)} bytes of host memory, "
-                                     f"over max_swap_bytes={self.planner.max_swap_bytes}")
+            if not self.planner.swap_fits(request):
+                raise SwapSpaceError(f"swapping request {request_id} out would hold {self.slots.swap_bytes(request)} "
+                                     f"bytes of host memory (with what is swapped out or set aside), over "
+                                     f"max_swap_bytes={self.planner.max_swap_bytes}")
+            self.slots.reserve(request)
             request.preempt_requested = True
             return True
 
@@ -137,8 +143,8 @@ class BatchScheduler:
                 ended = [request]
             else:
                 ended = [] if self._stepping else self.planner.complete()
-            self._count_ended(ended)
-        self.delivery.deliver_results(ended)
+            self._ended(ended)
+        self.delivery.deliver()
         return True
 
     @overload
@@ -150,8 +156,8 @@ class BatchScheduler:
         (None or math.inf: wait as long as it takes). A result is handed over once; then the id is
         unknown. Raises KeyError for an id that was never submitted or was already collected,
         ValueError for a negative or NaN timeout."""
-        until = deadline(timeout_ms)
-        if until is None:  # without a thread, a caller that waits as long as it takes steps the loop
+        until = deadline(timeout_ms, "timeout_ms")
+        if until is None:  # a caller that waits as long as it takes may have to step the loop
             self._drive(lambda: self._collectable(request_id))  # at once for an unknown id: KeyError below
         with self._lock:
             while True:
@@ -188,21 +194,25 @@ class BatchScheduler:
             self._changed.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
-        with self._step_lock, self._lock:
-            ended = self.planner.end_all()
-            self._count_ended(ended)
-            self._changed.notify_all()
-        self.delivery.deliver_results(ended)
+        self._end_rest()
 
     def generate(self, requests: Sequence[tuple[Sequence[int], SamplingParams]],
                  priority: int = 0) -> list[GenerationResult]:
         """Submit (prompt, params) pairs, every one checked before any is queued, and return their
         results once all are done (see `_drive`: the background thread steps the loop, or this
-        thread does); other submitters' requests share the steps."""
+        thread does); other submitters' requests share the steps. With `max_waiting`, the
+        submissions wait for room as they go, so any number of prompts gets through. If this
+        raises part way (stop(), an interrupt), what it queued is cancelled and never left over."""
         checked = [check_submission(prompt, params, priority, self.vocab_size, self.max_seq_len)
                    for prompt, params in requests]
-        ids = [self._enqueue(prompt, params, priority, None, deadline(0)) for prompt, params in checked]
-        self._drive(lambda: all(self._collectable(i) for i in ids))
+        ids: list[int] = []
+        try:
+            for prompt, params in checked:
+                ids.append(self._enqueue(prompt, params, priority, None, None))
+            self._drive(lambda: all(self._collectable(i) for i in ids))
+        except BaseException:
+            self._abandon(ids)
+            raise
         # Every one has finished, so none of these polls comes back empty.
         return cast("list[GenerationResult]", [self.poll_result(i) for i in ids])
 
@@ -214,17 +224,18 @@ class BatchScheduler:
         with self._lock:
             if request_id not in self._requests:
                 raise KeyError(f"request id {request_id} is unknown or its result was already collected")
-        sent, texts = 0, self.delivery.texts()
+        sent, texts = 0, self.delivery.deltas()
         try:
             while True:
                 with self._lock:
                     request = self._requests[request_id]
                     deltas = [token_delta(request, i) for i in range(sent, len(request.token_ids))]
                     ended = self._collectable(request_id)
+                sent += len(deltas)
                 for delta in deltas:
-                    yield with_text(delta, texts)
-                    sent += 1
+                    yield from texts.push(delta)
                 if ended:
+                    yield from texts.end()
                     yield self.poll_result(request_id, timeout_ms=None)
                     return
                 self._drive(self._progressed(request, sent))
@@ -239,10 +250,12 @@ class BatchScheduler:
         """Run on another prefill policy (budget, cuts, reuse) from now on; only while idle, with
         no request waiting or running (RuntimeError otherwise). What the slots hold stays
         reusable when the reuse grid and snapshot interval are unchanged, and is forgotten else."""
+        if not isinstance(policy, PrefillPolicy):
+            raise TypeError(f"configure() takes a PrefillPolicy, got {type(policy).__name__}")
         with self._step_lock, self._lock:
             if self._busy():
                 raise RuntimeError("configure() needs an idle scheduler: requests are waiting or running")
-            check_budget(policy, self.cache.num_slots, self.max_seq_len)
+            check_policy(policy, self.cache.num_slots, self.max_seq_len, self.cache.has_states)
             self.planner.policy = policy
             self.slots.configure(policy)
 
@@ -263,7 +276,11 @@ class BatchScheduler:
                     return False
                 self._stepping = True
                 self.counters.counts["steps"] += 1
-                work = self.planner.plan()
+                try:
+                    work = self.planner.plan()
+                except BaseException:
+                    self._stepping = False
+                    raise
                 self._changed.notify_all()  # admissions made room in the queue
             try:
                 self._run(work)
@@ -272,11 +289,9 @@ class BatchScheduler:
                     self._stepping = False
                     if work:
                         self.counters.busy_time += time.perf_counter() - start
-                    ended = self.planner.complete()
-                    self._count_ended(ended)
+                    self._ended(self.planner.complete())
                     self._changed.notify_all()  # streams wait for tokens as pollers wait for results
-        self.delivery.deliver_tokens()
-        self.delivery.deliver_results(ended)
+        self.delivery.deliver()
         return bool(work)
 
     def _run(self, work: Work) -> None:
@@ -311,8 +326,11 @@ class BatchScheduler:
                 logger.exception("scheduler step failed")
 
     def _drive(self, done: Callable[[], bool]) -> None:
-        """Return once `done()` (called with the lock held) holds: with the background thread,
-        wait for it; without, step the loop on the calling thread.
+        """Return once `done()` (called with the lock held) holds. The background thread steps the
+        loop and others wait for it; a thread that nobody else would step for steps it itself:
+        any caller without a background thread, and the scheduler thread when a callback on it
+        waits (stop(drain=True), generate(), a poll without a timeout), which would otherwise wait
+        for itself. Once stopped, that thread ends what is left (stop() may be joining it).
 
         Why one thread runs every forward: torch's CPU build runs on GNU OpenMP, whose worker
         threads spin between parallel regions only while no more OpenMP threads exist than CPUs.
@@ -324,37 +342,73 @@ class BatchScheduler:
             with self._lock:
                 if done():
                     return
-                if self._stopped or self._thread is not None:  # stop() ends every request, or the thread steps
+                if not self._must_step():
                     self._changed.wait()
                     continue
-            self.step()
+                stopped = self._stopped
+            if stopped:
+                self._end_rest()
+            else:
+                self.step()
+
+    def _must_step(self) -> bool:
+        """Whether this thread steps the loop when it waits for it (see `_drive`)."""
+        return self._thread is None or self._thread is threading.current_thread()
+
+    def _end_rest(self) -> None:
+        """Cancel every request not yet ended (after stop()) and hand out their results."""
+        with self._step_lock, self._lock:
+            self._ended(self.planner.end_all())
+            self._changed.notify_all()
+        self.delivery.deliver()
+
+    def _abandon(self, ids: list[int]) -> None:
+        """Cancel these requests; their results are dropped when they end, nobody collects them."""
+        for request_id in ids:
+            self.cancel_request(request_id)
+        with self._lock:
+            for request_id in ids:
+                if self._collectable(request_id):
+                    self._requests.pop(request_id, None)
+                else:
+                    self._detached.add(request_id)
 
     # -- helpers (lock held unless said otherwise) ----------------------------------------------
 
     def _enqueue(self, prompt: list[int], sampling: SamplingParams, priority: int, subscriber: Subscriber | None,
                  until: float | None) -> int:
         """Queue a checked request once the queue has room (see submit_request). No lock."""
-        with self._lock:
-            while True:
+        while True:
+            with self._lock:
                 if self._stopped or self._draining:
                     raise RuntimeError("scheduler is stopped; no new requests are accepted")
                 waiting = len(self.planner.waiting)
                 if not self.max_waiting or waiting < self.max_waiting:
-                    break
-                if not wait_until(self._changed, until):
-                    raise QueueFullError(f"{waiting} requests are waiting, the most max_waiting={self.max_waiting} "
-                                         f"allows; retry later or pass wait_ms to wait for room")
-            request = Request(next(self._ids), prompt, sampling, sampling.resolved_seed(), self.eos_token_ids,
-                              priority=priority, subscriber=subscriber)
-            self._requests[request.request_id] = request
-            self.planner.enqueue(request)
-            self.counters.counts["prompt_tokens"] += len(prompt)
-            self._work.notify()
+                    return self._queue(prompt, sampling, priority, subscriber)
+                if until is not None or not self._must_step():
+                    if not wait_until(self._changed, until):
+                        raise QueueFullError(f"{waiting} requests are waiting, the most max_waiting="
+                                             f"{self.max_waiting} allows; retry later or pass wait_ms to wait for room")
+                    continue
+            self.step()  # nobody else makes room (see _drive)
+
+    def _queue(self, prompt: list[int], sampling: SamplingParams, priority: int, subscriber: Subscriber | None) -> int:
+        request = Request(next(self._ids), prompt, sampling, sampling.resolved_seed(), self.eos_token_ids,
+                          priority=priority, subscriber=subscriber)
+        self._requests[request.request_id] = request
+        self.planner.enqueue(request)
+        self.counters.counts["prompt_tokens"] += len(prompt)
+        self._work.notify()
         return request.request_id
 
-    def _count_ended(self, ended: list[Request]) -> None:
+    def _ended(self, ended: list[Request]) -> None:
+        """Count the requests that ended, queue their results, drop those nobody collects."""
         for request in ended:
             self.counters.ended(request)
+            if request.request_id in self._detached:
+                self._detached.discard(request.request_id)
+                del self._requests[request.request_id]
+        self.delivery.ended(ended)
         if ended:
             self._changed.notify_all()
 

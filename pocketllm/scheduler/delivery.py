@@ -1,16 +1,20 @@
 """Delivery: what the scheduler hands out, and to whom.
 
 A request submitted with callbacks carries one `Subscriber` record. Token deltas come from one
-producer, `token_delta` (made under the lock) and `with_text` (outside it): `stream()` pulls them,
-`on_token` (and so `AsyncLLM`) gets them pushed, in the order the tokens were sampled. Callbacks
-run outside the scheduler's lock, on the thread that ran the step, one delivering thread at a
-time; whatever a callback raises is logged and counted, never allowed to end the scheduler.
+producer, `token_delta` (made under the lock) and `DeltaText` (their text, outside it): `stream()`
+pulls them, `on_token` (and so `AsyncLLM`) gets them pushed. What is pushed goes through one
+queue of events, a token or a request's end, in the order they happened (under the scheduler's
+lock), handed out by one thread at a time: so every token's delta comes, in order, before its
+request's result, whichever thread ended the request (a step, a cancel from elsewhere, stop()).
+A thread that finds another one handing out leaves its events to it, and a callback that steps
+or cancels leaves its own to the loop it runs in: nobody waits for somebody else's callback.
+Callbacks run outside the scheduler's lock; whatever one raises is logged and counted, never
+allowed to end the scheduler.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -20,7 +24,7 @@ from typing import Any
 from ..outputs import GenerationResult
 from .request import Request
 from .stats import Counters
-from .stream import TextDeltas, TokenDelta
+from .stream import DeltaText, TextDeltas, TokenDelta
 
 # The scheduler's parts log under the facade's name: one logger to configure for the scheduler.
 logger = logging.getLogger("pocketllm.scheduler.batch_scheduler")
@@ -32,11 +36,11 @@ TokenCallback = Callable[[TokenDelta], None]
 @dataclass
 class Subscriber:
     """Who hears of one request: `callback(result)` once it has ended, `on_token(delta)` after
-    each token, with `texts` turning its tokens into text when the engine detokenizes."""
+    each token, with `deltas` giving them their text when the engine detokenizes."""
 
     callback: Callback | None
     on_token: TokenCallback | None
-    texts: TextDeltas | None
+    deltas: DeltaText
 
 
 def token_delta(request: Request, index: int) -> TokenDelta:
@@ -45,37 +49,35 @@ def token_delta(request: Request, index: int) -> TokenDelta:
     return TokenDelta(request.request_id, index, request.token_ids[index], request.logprobs[index], last=last)
 
 
-def with_text(delta: TokenDelta, texts: TextDeltas | None) -> TokenDelta:
-    """The delta with the text its token adds (the last token also flushes what was held back)."""
-    if texts is None:
-        return delta
-    return dataclasses.replace(delta, text=texts.add(delta.token_id) + (texts.flush() if delta.last else ""))
-
-
 class Delivery:
     def __init__(self, lock: threading.Lock, counters: Counters,
                  detokenize: Callable[[list[int]], str] | None) -> None:
         self._lock = lock  # the scheduler's
         self._counters = counters
         self.detokenize = detokenize
-        self._pending: collections.deque[tuple[Request, TokenDelta]] = collections.deque()  # in sampling order
-        self._delivering = threading.RLock()  # one thread hands out token deltas at a time, in order
+        # (request, token index) for a token, (request, None) for its end; in the order they happened.
+        self._events: collections.deque[tuple[Request, int | None]] = collections.deque()
+        self._handing_out = False  # a thread is running callbacks (under the lock)
 
     def subscribe(self, callback: Callback | None, on_token: TokenCallback | None) -> Subscriber | None:
         """The record for a request with these callbacks (None without any)."""
         if callback is None and on_token is None:
             return None
-        return Subscriber(callback, on_token, self.texts() if on_token is not None else None)
+        return Subscriber(callback, on_token, self.deltas())
 
-    def texts(self) -> TextDeltas | None:
-        """A fresh detokenizer for one consumer of one request's tokens (None without one)."""
-        return None if self.detokenize is None else TextDeltas(self.detokenize)
+    def deltas(self) -> DeltaText:
+        """Fresh text state for one consumer of one request's deltas."""
+        return DeltaText(None if self.detokenize is None else TextDeltas(self.detokenize))
 
     def sampled(self, request: Request) -> None:
         """`request` has just sampled a token: queue its delta for on_token. Lock held."""
         subscriber = request.subscriber
         if subscriber is not None and subscriber.on_token is not None:
-            self._pending.append((request, token_delta(request, len(request.token_ids) - 1)))
+            self._events.append((request, len(request.token_ids) - 1))
+
+    def ended(self, requests: list[Request]) -> None:
+        """These requests have ended: queue their results for their subscribers. Lock held."""
+        self._events.extend((request, None) for request in requests if request.subscriber is not None)
 
     def result(self, request: Request) -> GenerationResult:
         """An ended request's result, with its text when the engine detokenizes (decoded once)."""
@@ -83,35 +85,42 @@ class Delivery:
             request.text = self.detokenize(request.token_ids)
         return request.result()
 
-    def deliver_tokens(self) -> None:
-        """Run the on_token callbacks of every token sampled so far, outside the lock, in the order
-        the tokens were sampled, one thread at a time (so before the result callbacks of the step
-        that follows)."""
-        with self._delivering:
-            while True:
-                with self._lock:
-                    if not self._pending:
-                        return
-                    request, delta = self._pending.popleft()
-                    subscriber = request.subscriber  # None once its result was delivered
-                if subscriber is not None and subscriber.on_token is not None:
-                    self._call(subscriber.on_token, with_text(delta, subscriber.texts), "on_token callback",
-                               delta.request_id)
+    def deliver(self) -> None:
+        """Run the callbacks of every event queued so far, in order, outside the lock; at once
+        if another thread (or a callback further up this one) is doing it: it hands these out too."""
+        with self._lock:
+            if self._handing_out:
+                return
+            self._handing_out = True
+        while True:
+            with self._lock:  # the emptiness check and the flag change together: no event is stranded
+                if not self._events:
+                    self._handing_out = False
+                    return
+                request, index = self._events.popleft()
+                subscriber = request.subscriber
+                delta = None if index is None else token_delta(request, index)
+                if index is None:
+                    request.subscriber = None
+            if subscriber is not None:
+                self._guarded("delivery", request, self._hand_out, subscriber, request, delta)
 
-    def deliver_results(self, ended: list[Request]) -> None:
-        """Run the result callbacks of ended requests, outside the lock."""
-        for request in ended:
-            with self._lock:
-                subscriber, request.subscriber = request.subscriber, None
-            if subscriber is not None and subscriber.callback is not None:
-                self._call(subscriber.callback, self.result(request), "callback", request.request_id)
+    def _hand_out(self, subscriber: Subscriber, request: Request, delta: TokenDelta | None) -> None:
+        """One event's callbacks: the deltas it makes ready, or (delta None) the deltas still held
+        and then the result."""
+        ready = subscriber.deltas.end() if delta is None else subscriber.deltas.push(delta)
+        if subscriber.on_token is not None:
+            for item in ready:
+                self._guarded("on_token callback", request, subscriber.on_token, item)
+        if delta is None and subscriber.callback is not None:
+            self._guarded("callback", request, subscriber.callback, self.result(request))
 
-    def _call(self, callback: Callable[[Any], None], value: Any, what: str, request_id: int) -> None:
-        """callback(value); whatever it raises (SystemExit and KeyboardInterrupt included: a
-        callback must not end the scheduler) is logged and counted, nothing more."""
+    def _guarded(self, what: str, request: Request, fn: Callable[..., None], *args: Any) -> None:
+        """fn(*args); whatever it raises (SystemExit and KeyboardInterrupt included: a callback must
+        not end the scheduler) is logged and counted, nothing more."""
         try:
-            callback(value)
+            fn(*args)
         except BaseException:
-            logger.exception("%s for request %d raised", what, request_id)
+            logger.exception("%s for request %d raised", what, request.request_id)
             with self._lock:
                 self._counters.counts["callback_errors"] += 1

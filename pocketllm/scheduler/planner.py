@@ -30,13 +30,15 @@ class Planner:
         self.max_swap_bytes = max_swap_bytes  # 0: no limit
         self.waiting: list[Request] = []  # in scheduling order (Request.order)
         self.running: list[Request] = []
+        self._ended: list[Request] = []  # ended without a slot since the last complete()
 
     def enqueue(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=lambda r: r.order)
 
-    def swap_fits(self, request: Request, extra: int = 0) -> bool:
-        """Whether swapping `request` out (with `extra` more tokens cached) stays within max_swap_bytes."""
-        return not self.max_swap_bytes or self.slots.swap_bytes(request, extra) <= self.max_swap_bytes
+    def swap_fits(self, request: Request) -> bool:
+        """Whether swapping `request` out once the step in progress is over (see
+        `Request.cached_after_step`) stays within max_swap_bytes, beside what is held or reserved."""
+        return not self.max_swap_bytes or self.slots.swap_bytes(request) <= self.max_swap_bytes
 
     def plan(self) -> Work:
         """This step's work: swap out what must make room, then a decode row for every running
@@ -54,28 +56,33 @@ class Planner:
                 budget -= len(piece.token_ids)
                 work.append((request, piece))
         while self.waiting and self.slots.num_free > 0:
-            admitted = self._admit_first(budget)
-            if admitted is None:
-                break
-            item = admitted.next_input(self.policy)
+            request = self.waiting[0]
+            try:
+                if not self._admit(request, budget):
+                    break
+            except Exception as exc:  # it ends "error" (a slot it took is freed); the rest still run
+                self._fail_admission(request, exc)
+                continue
+            item = request.next_input(self.policy)
             budget -= len(item.token_ids)
-            work.append((admitted, item))
+            work.append((request, item))
+        for request, item in work:
+            request.in_flight = item
         return work
 
-    def _admit_first(self, budget: int) -> Request | None:
+    def _admit(self, request: Request, budget: int) -> bool:
         """Move the first waiting request into a free slot if its next input fits in `budget`."""
-        request = self.waiting[0]
         if request.swapped is not None:
             if request.swapped_step == self.counters.steps:  # swapped out this very step: not back yet
-                return None
+                return False
             cost = 1 if request.token_ids else self.policy.piece_len(request.num_prefilled, len(request.prompt_tokens))
             if cost > budget:
-                return None
+                return False
             self.slots.swap_in(request)
         else:
             placement = self.slots.place(request.prompt_tokens)
             if self.policy.piece_len(placement.reused, len(request.prompt_tokens)) > budget:
-                return None
+                return False
             self.slots.admit(request, placement)
             if placement.reused:
                 counts = self.counters.counts
@@ -85,14 +92,22 @@ class Planner:
         self.waiting.pop(0)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        return request
+        return True
+
+    def _fail_admission(self, request: Request, exc: Exception) -> None:
+        """A request whose admission raised leaves the queue ended "error", never lost in between."""
+        self.waiting.remove(request)
+        self.slots.drop_swap(request)
+        request.finish("error", f"admission failed: {type(exc).__name__}: {exc}")
+        self._ended.append(request)
 
     def _preempt(self) -> None:
         """Swap out the running requests preempt() asked for, then, while the first waiting request
         outranks a running one and no slot is free, the lowest-ranked running request (the latest
         among equal priorities), as far as max_swap_bytes allows."""
         for request in [r for r in self.running if r.preempt_requested]:
-            if not request.finished and not request.cancel_requested and self.swap_fits(request):
+            self.slots.unreserve(request)  # preempt() held its bytes: the swap fits
+            if not request.finished and not request.cancel_requested:
                 self._swap_out(request)
             else:
                 request.preempt_requested = False
@@ -117,6 +132,7 @@ class Planner:
         """Record each request's outcome of the forward; returns the requests that sampled."""
         sampled = []
         for (request, seq), outcome in zip(work, outcomes):
+            request.in_flight = None
             if isinstance(outcome, BaseException):
                 request.finish("error", f"{type(outcome).__name__}: {outcome}")
                 continue
@@ -128,13 +144,15 @@ class Planner:
         return sampled
 
     def complete(self) -> list[Request]:
-        """End the cancelled running requests, free the slots of every ended one; returns those."""
-        ended = []
+        """End the cancelled running requests, free the slots of every ended one; returns those,
+        with the requests whose admission failed since the last call."""
+        ended, self._ended = self._ended, []
         for request in list(self.running):
             if request.cancel_requested:
                 request.finish("cancelled")
             if request.finished:
                 self.running.remove(request)
+                self.slots.unreserve(request)
                 self.slots.release(request)
                 ended.append(request)
         return ended

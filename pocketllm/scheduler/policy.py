@@ -9,6 +9,7 @@ prompt runs exactly the pieces of a cold run.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from ..kernels.grid import POSITION_GRID
@@ -30,6 +31,12 @@ class PrefillPolicy:
     prefix_reuse: bool = EngineOptions.enable_prefix_reuse
 
     def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "chunk_size", "snapshot_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        if not isinstance(self.prefix_reuse, bool):
+            raise TypeError(f"prefix_reuse must be a bool, got {type(self.prefix_reuse).__name__}")
         for name in ("chunk_size", "snapshot_interval"):
             value = getattr(self, name)
             if value < 0 or value % POSITION_GRID:
@@ -69,9 +76,11 @@ class PrefillPolicy:
         return min(shared, prompt_len - 1) // grid * grid
 
 
-def check_budget(policy: PrefillPolicy, max_batch_size: int, max_seq_len: int) -> None:
-    """ValueError unless every step can decode every running request and run one whole piece:
-    otherwise a prompt could wait for ever."""
+def check_policy(policy: PrefillPolicy, max_batch_size: int, max_seq_len: int, keeps_states: bool) -> None:
+    """ValueError unless the scheduler can run on `policy`, wherever the policy was built (the
+    engine's options or `configure()`): every step can decode every running request and run one
+    whole piece (otherwise a prompt could wait for ever), and a model with recurrent states
+    (`keeps_states`) reuses prefixes only where it keeps their states, the snapshot positions."""
     piece = policy.max_piece(max_seq_len)
     need = piece + max_batch_size - 1
     if policy.max_num_batched_tokens < need:
@@ -79,3 +88,6 @@ def check_budget(policy: PrefillPolicy, max_batch_size: int, max_seq_len: int) -
             f"max_num_batched_tokens must be >= {need} (the longest prefill piece, {piece} tokens, plus one decode "
             f"token for each other slot of max_batch_size={max_batch_size}), got {policy.max_num_batched_tokens}; "
             f"raise it or lower prefill_chunk_size")
+    if keeps_states and policy.prefix_reuse and policy.reuse_grid and not policy.snapshot_interval:
+        raise ValueError("prefix_reuse on a model with recurrent states needs snapshot_interval > 0 (the positions "
+                         "its states are kept at), got snapshot_interval=0; set prefix_reuse=False or an interval")

@@ -117,6 +117,8 @@ class Request:
     swapped: SwappedSlot | None = None  # its slot's contents while preempted
     swapped_step: int = -1  # the step that last swapped it out
     preempt_requested: bool = False
+    swap_reserved: int = 0  # bytes preempt() set aside for its swap
+    in_flight: SequenceInput | None = None  # its input to the forward in progress
     subscriber: Subscriber | None = None  # who is told of its tokens and its result
     text: str | None = None  # its tokens decoded, once it has ended (when the engine detokenizes)
 
@@ -130,6 +132,13 @@ class Request:
         """Tokens whose K/V are in the slot: the prompt prefilled so far and, once it is done, every
         generated token but the last."""
         return self.num_prefilled + max(len(self.token_ids) - 1, 0)
+
+    @property
+    def cached_after_step(self) -> int:
+        """`num_cached` once the forward in progress (if it has an input there) has succeeded:
+        every position that input writes (a decode row or a prefill piece) is then cached."""
+        seq = self.in_flight
+        return self.num_cached if seq is None else seq.start + len(seq.token_ids)
 
     @property
     def prefilling(self) -> bool:

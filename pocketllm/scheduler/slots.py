@@ -45,6 +45,7 @@ class SlotManager:
         # until another request takes them.
         self._unindexed: set[int] = set()
         self.swap_held = 0  # bytes of swapped-out slots in host memory
+        self.swap_reserved = 0  # bytes preempt() set aside for swaps the next step makes
 
     @property
     def num_free(self) -> int:
@@ -76,16 +77,19 @@ class SlotManager:
         return Placement(best if best in rank else free[0], reused, best)
 
     def admit(self, request: Request, placement: Placement) -> None:
-        """Give `request` the placement's slot with its reused prefix in place (copied if need be)."""
+        """Give `request` the placement's slot with its reused prefix in place (copied if need be).
+        If that raises, the slot is free again and claims no contents."""
         slot, reused = placement.slot, placement.reused
-        if placement.copied:
-            assert placement.donor is not None
-            self.cache.allocate(slot)
-            self.cache.copy_prefix(placement.donor, slot, reused)
-        else:
-            self.cache.allocate(slot, keep=reused)
-        self.index.truncate(slot, 0)
-        self.index.extend(slot, request.prompt_tokens, reused)
+        self.cache.allocate(slot, keep=0 if placement.copied else reused)
+        try:
+            if placement.copied:
+                assert placement.donor is not None
+                self.cache.copy_prefix(placement.donor, slot, reused)
+            self.index.truncate(slot, 0)
+            self.index.extend(slot, request.prompt_tokens, reused)
+        except BaseException:
+            self._discard(slot)
+            raise
         self._unindexed.discard(slot)
         request.slot, request.num_prefilled = slot, reused
 
@@ -112,12 +116,16 @@ class SlotManager:
         forward may have written them."""
         slot = request.assigned_slot
         if request.finish_reason == "error":
-            self.index.truncate(slot, 0)
-            self.cache.forget(slot)
-            self.cache.free(slot, [])
+            self._discard(slot)
         else:
             self.cache.free(slot, request.held_tokens())
         request.slot = None
+
+    def _discard(self, slot: int) -> None:
+        """Free a slot whose contents may be wrong: nothing in it is reused."""
+        self.index.truncate(slot, 0)
+        self.cache.forget(slot)
+        self.cache.free(slot, [])
 
     # -- a forward's recurrent states ------------------------------------------------------
 
@@ -131,9 +139,19 @@ class SlotManager:
 
     # -- swap -----------------------------------------------------------------------------
 
-    def swap_bytes(self, request: Request, extra: int = 0) -> int:
-        """Host memory held once `request` (with `extra` more tokens cached) is swapped out too."""
-        return self.swap_held + self.cache.swap_bytes(request.num_cached + extra)
+    def swap_bytes(self, request: Request) -> int:
+        """Host memory held and set aside once `request` is swapped out too, at its size after the
+        step in progress (`Request.cached_after_step`)."""
+        return self.swap_held + self.swap_reserved + self.cache.swap_bytes(request.cached_after_step)
+
+    def reserve(self, request: Request) -> None:
+        """Set aside the bytes of `request`'s swap at the start of the next step (preempt())."""
+        request.swap_reserved = self.cache.swap_bytes(request.cached_after_step)
+        self.swap_reserved += request.swap_reserved
+
+    def unreserve(self, request: Request) -> None:
+        self.swap_reserved -= request.swap_reserved
+        request.swap_reserved = 0
 
     def swap_out(self, request: Request) -> None:
         """Copy a running request's slot to host memory, bit for bit, and free the slot (its
@@ -145,12 +163,17 @@ class SlotManager:
         self.swap_held += request.swapped.nbytes
 
     def swap_in(self, request: Request) -> None:
-        """Bring a swapped-out request back into the least recently used free slot, bit for bit."""
+        """Bring a swapped-out request back into the least recently used free slot, bit for bit.
+        If that raises, the slot is free again and claims no contents."""
         assert request.swapped is not None
         slot = self.cache.allocate()
-        self.index.truncate(slot, 0)
+        try:
+            self.index.truncate(slot, 0)
+            self.cache.swap_in(slot, request.swapped)
+        except BaseException:
+            self._discard(slot)
+            raise
         self._unindexed.add(slot)
-        self.cache.swap_in(slot, request.swapped)
         request.slot = slot
         self.drop_swap(request)
 

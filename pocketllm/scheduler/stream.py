@@ -3,11 +3,16 @@
 `TokenDelta` is one sampled token (and, with a tokenizer, the text it completes). `TextDeltas`
 turns a growing list of token ids into text pieces: a byte-level token can end inside a UTF-8
 character, whose decoded form then ends in U+FFFD; such text is held back until a later token
-completes the character, so the pieces always concatenate to the decoded whole.
+completes the character, so the pieces always concatenate to the decoded whole. `DeltaText`
+gives one consumer's deltas their text: a delta whose token ends inside a character waits for
+the token that completes it, or for the request's end, however it ends, which flushes what is
+held back; so the text handed out adds up to the result's text whether the request stopped, ran
+to its length, was cancelled or failed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,12 +40,14 @@ class TextDeltas:
         self._decode = decode
         self._tokens: list[int] = []
         self._sent = ""
+        self.holding = False  # the text so far ends inside a character: add() held it back
 
     def add(self, token_id: int) -> str:
         """The text that `token_id` adds to what was handed out; "" while a character is incomplete."""
         self._tokens.append(token_id)
         text = self._decode(self._tokens)
-        if text.endswith(REPLACEMENT) or not text.startswith(self._sent):
+        self.holding = text.endswith(REPLACEMENT) or not text.startswith(self._sent)
+        if self.holding:
             return ""
         delta, self._sent = text[len(self._sent):], text
         return delta
@@ -49,5 +56,35 @@ class TextDeltas:
         """What is left once the request has ended (an incomplete character as U+FFFD)."""
         text = self._decode(self._tokens)
         delta = text[len(self._sent):] if text.startswith(self._sent) else ""
-        self._sent = text
+        self._sent, self.holding = text, False
         return delta
+
+
+class DeltaText:
+    """One consumer's token deltas of one request, with their text (`texts` None: no tokenizer,
+    deltas pass as they are). `push` returns the deltas ready to hand out, in order; `end`, once
+    the request has ended, the ones still held, the last with what was held back."""
+
+    def __init__(self, texts: TextDeltas | None) -> None:
+        self._texts = texts
+        self._held: list[TokenDelta] = []
+
+    def push(self, delta: TokenDelta) -> list[TokenDelta]:
+        texts = self._texts
+        if texts is None:
+            return [delta]
+        piece = texts.add(delta.token_id)
+        self._held.append(delta)
+        if texts.holding and not delta.last:
+            return []
+        return self._release(piece + (texts.flush() if delta.last else ""))
+
+    def end(self) -> list[TokenDelta]:
+        if self._texts is None or not self._held:
+            return []
+        return self._release(self._texts.flush())
+
+    def _release(self, text: str) -> list[TokenDelta]:
+        """The held deltas: the last one carries `text`, the ones before it none."""
+        held, self._held = self._held, []
+        return [dataclasses.replace(d, text=text if i == len(held) - 1 else "") for i, d in enumerate(held)]

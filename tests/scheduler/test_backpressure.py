@@ -49,10 +49,11 @@ def test_submissions_beyond_max_waiting_are_refused_and_nothing_below_is_lost(en
 
 
 def test_a_submission_that_waits_gets_in_when_room_frees(engine):
+    """A bounded wait waits for another caller's step (it does not step itself)."""
     s = engine(max_waiting=1).scheduler
     first = s.submit_request([1, 2], _params())
     admitted = []
-    waiter = threading.Thread(target=lambda: admitted.append(s.submit_request([5], _params(), wait_ms=None)))
+    waiter = threading.Thread(target=lambda: admitted.append(s.submit_request([5], _params(), wait_ms=60_000)))
     waiter.start()
     waiter.join(0.05)
     assert waiter.is_alive()  # held: the queue is full
