@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # the benchmark owns its arguments, --help included
+    if argv[:1] == ["bench"]:  # the benchmark owns its arguments, --help included; its main runs in run_command
         from .bench import main as bench_main
 
         return bench_main(argv[1:])
