@@ -233,17 +233,16 @@ def check_device(device: str, option: str = "--device") -> None:
     """ValueError naming `option` and what it takes unless this machine has `device`: a command
     refuses a typo or a missing GPU before it builds anything, not with torch's traceback later."""
     try:
-        kind = torch.device(device).type
+        parsed: torch.device | None = torch.device(device)
     except RuntimeError:  # not a device string at all
-        kind = None
-    if kind not in ("cpu", "cuda"):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
         raise ValueError(f"{option} {device!r} is not cpu or cuda[:index]")
-    if kind == "cuda":
+    if parsed.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        index = torch.device(device).index
         if not count:
             raise ValueError(f"{option} {device!r}: torch finds no CUDA device here; use cpu")
-        if index is not None and index >= count:
+        if parsed.index is not None and parsed.index >= count:
             raise ValueError(f"{option} {device!r}: the CUDA devices here are cuda:0..cuda:{count - 1}")
 
 

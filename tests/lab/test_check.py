@@ -150,6 +150,13 @@ def test_a_nan_implementation_gets_its_verdict_without_a_flood_of_logs():
     assert "non-finite logits" in run.stdout, run.stdout
 
 
+def test_greedy_parity_names_the_error_that_ended_the_run():
+    verdict = check("silu_and_mul", "lab_variants:silu_and_mul_nan", dtypes=FP32, examples=0, presets=("tiny",))
+    parity = [f for f in verdict.findings if f.check == "greedy parity vs transformers"]
+    assert len(parity) == 1 and not parity[0].ok
+    assert parity[0].detail.startswith("prompt of 1 tokens: the run ended error: NonFiniteOutputError: "), parity[0]
+
+
 @pytest.mark.parametrize("device, message", [
     ("cdua", "--device 'cdua' is not cpu or cuda[:index]"),
     pytest.param("cuda", "--device 'cuda': torch finds no CUDA device here; use cpu",
