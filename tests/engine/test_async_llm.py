@@ -1,16 +1,64 @@
 """AsyncLLM: many concurrent streams, early exits and task cancellation; every request reaches one
 terminal state and its slot is freed; the event loop keeps running while the engine thread works
-(a heartbeat task ticks while streams are mid-way); outputs equal the serial engine's."""
+(a heartbeat task ticks while streams are mid-way); outputs equal the serial engine's.
+
+Where a test needs the engine to be at a given point (mid-step, between steps) when it acts, a
+`_Hold` keeps the scheduler thread there, so the outcome never depends on timing."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
+import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
 from pocketllm import LLM, AsyncLLM, EngineArgs, GenerationResult, SamplingParams, TokenDelta
+
+
+class _Hold:
+    """Holds a scheduler thread at one point until `release()` (30 s at most), `reached` set
+    meanwhile: what a test does then cannot race the engine."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.monkeypatch = monkeypatch
+        self.reached, self._released = threading.Event(), threading.Event()
+
+    def at_forward(self, engine: AsyncLLM, n: int) -> None:
+        """In the engine's n-th forward from now: mid-step, so a cancel takes effect at its end."""
+        runner, count = engine.llm.runner, itertools.count(1)
+        run = runner.run
+
+        def held_run(seqs):
+            if next(count) == n:
+                self._wait()
+            return run(seqs)
+
+        self.monkeypatch.setattr(runner, "run", held_run)
+
+    def release(self) -> None:
+        self._released.set()
+
+    def __enter__(self) -> _Hold:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+    def _wait(self) -> None:
+        self.reached.set()
+        self._released.wait(30)
+
+
+async def _eventually(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Poll `predicate` while the event loop runs on; fail, never hang, after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s"
+        await asyncio.sleep(0.001)
 
 
 def _params(rng: random.Random) -> SamplingParams:
@@ -111,23 +159,29 @@ def test_async_text_and_errors(tiny_checkpoint):
     asyncio.run(main())
 
 
-def test_async_backpressure_raises_or_waits_without_blocking_the_loop(tiny_checkpoint):
+def test_async_backpressure_raises_or_waits_without_blocking_the_loop(tiny_checkpoint, monkeypatch):
+    """Seeded and ignoring EOS, so every request runs to its max_tokens; `running` is held in its
+    second forward until the checks that need a full queue are done."""
     from pocketllm import QueueFullError
 
     async def main() -> None:
         args = EngineArgs(model=str(tiny_checkpoint), max_seq_len=64,
                           backend_options={"max_batch_size": 1, "max_waiting": 1})
         async with AsyncLLM(args) as engine:
-            long = SamplingParams(max_tokens=40, ignore_eos=True)
-            running = asyncio.create_task(engine.generate([1, 2], long))
-            while engine.scheduler.get_stats().running == 0:
-                await asyncio.sleep(0.001)
-            queued = asyncio.create_task(engine.generate([3, 4], long))  # fills the queue
-            while engine.scheduler.get_stats().waiting == 0:
-                await asyncio.sleep(0.001)
-            with pytest.raises(QueueFullError, match="max_waiting=1"):
-                await engine.generate([5], SamplingParams(max_tokens=1))
-            waited = await engine.generate([5], SamplingParams(max_tokens=1), wait_s=None)
+            long = SamplingParams(max_tokens=40, ignore_eos=True, seed=1)
+            short = SamplingParams(max_tokens=1, ignore_eos=True, seed=2)
+            with _Hold(monkeypatch) as hold:
+                hold.at_forward(engine, 2)
+                running = asyncio.create_task(engine.generate([1, 2], long))
+                await _eventually(lambda: engine.scheduler.get_stats().running == 1)
+                queued = asyncio.create_task(engine.generate([3, 4], long))  # fills the queue
+                await _eventually(lambda: engine.scheduler.get_stats().waiting == 1)
+                with pytest.raises(QueueFullError, match="max_waiting=1"):
+                    await engine.generate([5], short)
+                room = asyncio.create_task(engine.generate([5], short, wait_s=None))
+                await asyncio.sleep(0.01)
+                assert not room.done()  # it waits for room while the loop runs on
+            waited = await room
             assert waited.finish_reason == "length"
             assert [r.finish_reason for r in await asyncio.gather(running, queued)] == ["length", "length"]
 
