@@ -25,6 +25,18 @@ from .sampling import SamplingParams
 from .scheduler import BatchScheduler
 from .scheduler.batch_scheduler import QueueFullError
 from .scheduler.stream import TokenDelta
+from .scheduler.waits import deadline
+
+
+def _wait_ms(wait_s: float | None) -> float | None:
+    """`wait_s` in the scheduler's milliseconds, once checked by the scheduler's rule for a wait
+    (a number >= 0, None or math.inf: as long as it takes) and refused in the caller's words."""
+    try:
+        deadline(wait_s)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"wait_s must be a number of seconds >= 0, None or math.inf (wait as long as it "
+                        f"takes), got {wait_s!r}") from None
+    return None if wait_s is None else wait_s * 1000
 
 
 class AsyncLLM:
@@ -55,7 +67,8 @@ class AsyncLLM:
         """TokenDelta per sampled token (with the text it adds when the model has a tokenizer), then
         the GenerationResult. Bad input raises before anything is queued. With `max_waiting`
         requests waiting, QueueFullError at once (`wait_s=0`), or once `wait_s` seconds passed
-        without room (None: wait as long as it takes); the loop runs on meanwhile."""
+        without room (None or math.inf: wait as long as it takes); the loop runs on meanwhile."""
+        wait_ms = _wait_ms(wait_s)
         tokens = self.llm.prepare(prompt_tokens, prompt)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenDelta | GenerationResult] = asyncio.Queue()
@@ -70,7 +83,7 @@ class AsyncLLM:
 
         submit = functools.partial(scheduler.submit_request, tokens, sampling_params, callback=on_result,
                                    on_token=on_token, priority=priority)
-        request_id = await self._submit(submit, wait_s)
+        request_id = await self._submit(submit, wait_ms)
         ended = False
         try:
             while not ended:
@@ -81,16 +94,15 @@ class AsyncLLM:
             if not ended:  # left early or cancelled: the result callback collects what it did
                 scheduler.cancel_request(request_id)
 
-    async def _submit(self, submit: functools.partial[int], wait_s: float | None) -> int:
+    async def _submit(self, submit: functools.partial[int], wait_ms: float | None) -> int:
         """submit() at once; when the queue is full and the caller waits, the scheduler's own wait
         for room runs on a worker thread, so the event loop runs on meanwhile. A request that gets
         in after its awaiting task was cancelled is cancelled too."""
         try:
             return submit()
         except QueueFullError:
-            if wait_s is not None and wait_s <= 0:
+            if wait_ms == 0:
                 raise
-        wait_ms = None if wait_s is None else wait_s * 1000
         waiting = asyncio.ensure_future(asyncio.to_thread(submit, wait_ms=wait_ms))
         try:
             return await asyncio.shield(waiting)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -51,6 +52,14 @@ class _Hold:
     def _wait(self) -> None:
         self.reached.set()
         self._released.wait(30)
+
+
+@pytest.fixture
+def engine(tiny_checkpoint) -> Iterator[AsyncLLM]:
+    """An AsyncLLM made outside any event loop, so that it outlives the loops a test runs; closed after."""
+    made = AsyncLLM(EngineArgs(model=str(tiny_checkpoint), max_seq_len=64))
+    yield made
+    made.close()
 
 
 async def _eventually(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -184,5 +193,25 @@ def test_async_backpressure_raises_or_waits_without_blocking_the_loop(tiny_check
             waited = await room
             assert waited.finish_reason == "length"
             assert [r.finish_reason for r in await asyncio.gather(running, queued)] == ["length", "length"]
+
+    asyncio.run(main())
+
+
+def test_wait_s_is_checked_before_anything_is_queued(engine):
+    """NaN, negative, bool or non-number `wait_s` raise naming it, with nothing queued; a number
+    >= 0, None and math.inf are taken."""
+    one = SamplingParams(max_tokens=1, ignore_eos=True, seed=0)
+
+    async def main() -> None:
+        for wait_s, error in [(math.nan, ValueError), (-1, ValueError), (-math.inf, ValueError),
+                              (True, TypeError), ("1", TypeError)]:
+            with pytest.raises(error, match="wait_s"):
+                await engine.generate([1], one, wait_s=wait_s)
+            with pytest.raises(error, match="wait_s"):
+                async for _ in engine.stream([1], one, wait_s=wait_s):
+                    pass
+        assert engine.scheduler.get_stats().prompt_tokens == 0
+        for wait_s in (0, 0.5, None, math.inf, 10**400):
+            assert (await engine.generate([1], one, wait_s=wait_s)).finish_reason == "length"
 
     asyncio.run(main())
