@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-from collections.abc import AsyncIterator, Sequence
+import weakref
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 from .config import EngineArgs
 from .llm import LLM
@@ -26,6 +27,35 @@ from .scheduler import BatchScheduler
 from .scheduler.batch_scheduler import QueueFullError
 from .scheduler.stream import TokenDelta
 from .scheduler.waits import deadline
+
+StreamItem = TokenDelta | GenerationResult
+
+
+class AsyncStream:
+    """What `AsyncLLM.stream` returns: an async iterable, iterated once (`async for`, or `aiter()`
+    for `anext()`). Its iterator is a generator that only the iteration holds, so leaving the loop
+    early drops it and the event loop's finalizer closes it, cancelling the request, even while the
+    caller keeps this object (a generator the caller held would stay open as long as it is held).
+    `aclose()` closes a running iteration, as on an async generator (`contextlib.aclosing`)."""
+
+    def __init__(self, items: Callable[[], AsyncGenerator[StreamItem, None]]) -> None:
+        self._items: Callable[[], AsyncGenerator[StreamItem, None]] | None = items
+        self._iteration: weakref.ref[AsyncGenerator[StreamItem, None]] | None = None  # never keeps it alive
+
+    def __aiter__(self) -> AsyncGenerator[StreamItem, None]:
+        if self._items is None:
+            raise TypeError("an AsyncLLM stream is iterated once (or was closed); call stream() again "
+                            "for another request")
+        iteration = self._items()
+        self._items, self._iteration = None, weakref.ref(iteration)
+        return iteration
+
+    async def aclose(self) -> None:
+        """End the iteration if one runs (its unfinished request is cancelled); none may start after."""
+        self._items = None
+        iteration = self._iteration() if self._iteration is not None else None
+        if iteration is not None:
+            await iteration.aclose()
 
 
 def _wait_ms(wait_s: float | None) -> float | None:
@@ -61,17 +91,24 @@ class AsyncLLM:
                 return item
         raise AssertionError("a stream always ends with its result")
 
-    async def stream(self, prompt_tokens: Sequence[int] | None = None,
-                     sampling_params: SamplingParams | None = None, *, prompt: str | None = None,
-                     priority: int = 0, wait_s: float | None = 0.0) -> AsyncIterator[TokenDelta | GenerationResult]:
+    def stream(self, prompt_tokens: Sequence[int] | None = None, sampling_params: SamplingParams | None = None, *,
+               prompt: str | None = None, priority: int = 0, wait_s: float | None = 0.0) -> AsyncStream:
         """TokenDelta per sampled token (with the text it adds when the model has a tokenizer), then
-        the GenerationResult. Bad input raises before anything is queued. With `max_waiting`
-        requests waiting, QueueFullError at once (`wait_s=0`), or once `wait_s` seconds passed
-        without room (None or math.inf: wait as long as it takes); the loop runs on meanwhile."""
+        the GenerationResult, for one `async for` (see AsyncStream). Bad input raises before
+        anything is queued: the prompt and `wait_s` here, the rest once iterated. With
+        `max_waiting` requests waiting, QueueFullError at once (`wait_s=0`), or once `wait_s`
+        seconds passed without room (None or math.inf: wait as long as it takes); the loop runs on
+        meanwhile."""
         wait_ms = _wait_ms(wait_s)
         tokens = self.llm.prepare(prompt_tokens, prompt)
+        return AsyncStream(functools.partial(self._items, tokens, sampling_params, priority, wait_ms))
+
+    async def _items(self, tokens: Sequence[int], sampling_params: SamplingParams | None, priority: int,
+                     wait_ms: float | None) -> AsyncGenerator[StreamItem, None]:
+        """The request's deltas and result, submitted on the first `anext()`; closing the generator
+        before the result cancels the request."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[TokenDelta | GenerationResult] = asyncio.Queue()
+        queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         scheduler = self.scheduler
 
         def on_result(result: GenerationResult) -> None:  # on the engine thread, the request has ended

@@ -8,6 +8,7 @@ Where a test needs the engine to be at a given point (mid-step, between steps) w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import random
@@ -18,6 +19,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from pocketllm import LLM, AsyncLLM, EngineArgs, GenerationResult, SamplingParams, TokenDelta
+
+LONG = SamplingParams(max_tokens=8, ignore_eos=True, seed=0)  # 8 tokens: the tests hold the engine before them
 
 
 class _Hold:
@@ -39,6 +42,22 @@ class _Hold:
             return run(seqs)
 
         self.monkeypatch.setattr(runner, "run", held_run)
+
+    def after_first_token(self, engine: AsyncLLM) -> None:
+        """Once the engine has handed a stream its first token: between steps, so a cancel ends
+        the request at once."""
+        scheduler = engine.scheduler
+        submit = scheduler.submit_request
+
+        def held_submit(*args, on_token, **kwargs):
+            def held_on_token(delta: TokenDelta) -> None:
+                on_token(delta)
+                if delta.index == 0:
+                    self._wait()
+
+            return submit(*args, on_token=held_on_token, **kwargs)
+
+        self.monkeypatch.setattr(scheduler, "submit_request", held_submit)
 
     def release(self) -> None:
         self._released.set()
@@ -62,12 +81,29 @@ def engine(tiny_checkpoint) -> Iterator[AsyncLLM]:
     made.close()
 
 
+@pytest.fixture
+def hold(engine, monkeypatch) -> Iterator[_Hold]:
+    """A `_Hold`, released at teardown, before the engine closes."""
+    with _Hold(monkeypatch) as held:
+        yield held
+
+
 async def _eventually(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
     """Poll `predicate` while the event loop runs on; fail, never hang, after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, f"timed out after {timeout_s}s"
         await asyncio.sleep(0.001)
+
+
+def _cancelled_early(engine: AsyncLLM) -> None:
+    """The engine's one request ended "cancelled" before `LONG.max_tokens`, and no callback raised
+    (waits, bounded, until it has ended and its result callback has collected it)."""
+    scheduler = engine.scheduler
+    asyncio.run(_eventually(lambda: not scheduler.has_work and scheduler.get_stats().uncollected == 0))
+    stats = scheduler.get_stats()
+    assert (stats.cancelled, stats.finished, stats.callback_errors) == (1, 0, 0)
+    assert 0 < stats.generated_tokens < LONG.max_tokens
 
 
 def _params(rng: random.Random) -> SamplingParams:
@@ -215,3 +251,43 @@ def test_wait_s_is_checked_before_anything_is_queued(engine):
             assert (await engine.generate([1], one, wait_s=wait_s)).finish_reason == "length"
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["dropped", "kept"])
+def test_leaving_a_stream_early_cancels_its_request(engine, hold, kept):
+    """Breaking out of `async for` cancels the request, also while the caller keeps the stream
+    object; the engine is held after the first token, so the request cannot finish meanwhile."""
+    hold.after_first_token(engine)
+
+    async def main() -> None:
+        stream = engine.stream([1, 2], LONG)
+        async for _ in stream:
+            break
+        if not kept:
+            del stream
+        await _eventually(lambda: engine.scheduler.get_stats().cancelled == 1)
+
+    asyncio.run(main())
+    hold.release()
+    _cancelled_early(engine)
+
+
+def test_a_stream_is_iterated_once_and_closes_like_a_generator(engine, hold):
+    """`async for` and `aiter()` work, a second iteration or `anext()` on the stream itself raise
+    TypeError; `aclose()` (so `contextlib.aclosing`) ends an iteration still running."""
+    hold.after_first_token(engine)
+
+    async def main() -> None:
+        stream = engine.stream([1, 2], LONG)
+        with pytest.raises(TypeError, match="not an async iterator"):
+            await anext(stream)
+        async with contextlib.aclosing(stream):
+            deltas = aiter(stream)
+            assert (await anext(deltas)).index == 0
+            with pytest.raises(TypeError, match="iterated once"):
+                aiter(stream)
+        assert engine.scheduler.get_stats().cancelled == 1  # closed: the request ended at once
+
+    asyncio.run(main())
+    hold.release()
+    _cancelled_early(engine)
