@@ -3,7 +3,8 @@
 The model runs on the batch scheduler's thread; the event loop only submits, cancels and receives
 (each a short critical section, never a forward pass), so it never blocks on the model. Tokens
 and results cross threads through `loop.call_soon_threadsafe`. Leaving an `async for` over
-`stream` early, or cancelling the task that awaits `generate`, cancels the request.
+`stream` early, or cancelling the task that awaits `generate`, cancels the request; so does the
+event loop closing under it.
 
     async with AsyncLLM(EngineArgs(model=path)) as engine:
         async for delta in engine.stream([1, 2, 3], SamplingParams(max_tokens=8)):
@@ -111,12 +112,23 @@ class AsyncLLM:
         queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         scheduler = self.scheduler
 
+        def post(item: StreamItem) -> bool:
+            """Hand `item` to the loop; False once the loop is closed (nobody can read it)."""
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:
+                if not loop.is_closed():
+                    raise
+                return False
+            return True
+
         def on_result(result: GenerationResult) -> None:  # on the engine thread, the request has ended
             scheduler.poll_result(result.request_id)  # collected here, so an abandoned stream leaks nothing
-            loop.call_soon_threadsafe(queue.put_nowait, result)
+            post(result)
 
         def on_token(delta: TokenDelta) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, delta)
+            if not post(delta):  # the loop closed under the request: end it (its result callback follows)
+                scheduler.cancel_request(delta.request_id)
 
         submit = functools.partial(scheduler.submit_request, tokens, sampling_params, callback=on_result,
                                    on_token=on_token, priority=priority)

@@ -1,6 +1,7 @@
 """AsyncLLM: many concurrent streams, early exits and task cancellation; every request reaches one
 terminal state and its slot is freed; the event loop keeps running while the engine thread works
-(a heartbeat task ticks while streams are mid-way); outputs equal the serial engine's.
+(a heartbeat task ticks while streams are mid-way); outputs equal the serial engine's. Misuse: a
+stream left while its object is kept, an event loop closed under a running request, a bad `wait_s`.
 
 Where a test needs the engine to be at a given point (mid-step, between steps) when it acts, a
 `_Hold` keeps the scheduler thread there, so the outcome never depends on timing."""
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import math
 import random
 import threading
@@ -104,6 +106,10 @@ def _cancelled_early(engine: AsyncLLM) -> None:
     stats = scheduler.get_stats()
     assert (stats.cancelled, stats.finished, stats.callback_errors) == (1, 0, 0)
     assert 0 < stats.generated_tokens < LONG.max_tokens
+
+
+def _logged(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.name.startswith("pocketllm")]
 
 
 def _params(rng: random.Random) -> SamplingParams:
@@ -291,3 +297,41 @@ def test_a_stream_is_iterated_once_and_closes_like_a_generator(engine, hold):
     asyncio.run(main())
     hold.release()
     _cancelled_early(engine)
+
+
+def test_a_closed_event_loop_cancels_its_running_request_silently(engine, hold, caplog):
+    """A loop closed by hand under a stream it left mid-way (and kept): the request's next token
+    finds the loop closed, so the request is cancelled there; nothing is logged."""
+    caplog.set_level(logging.DEBUG, logger="pocketllm")
+    hold.at_forward(engine, 2)
+
+    async def first_token():
+        deltas = aiter(engine.stream([1, 2], LONG))
+        await anext(deltas)
+        return deltas
+
+    loop = asyncio.new_event_loop()
+    deltas = loop.run_until_complete(first_token())  # kept: no finalizer closes it
+    assert hold.reached.wait(10)
+    loop.close()
+    hold.release()
+    _cancelled_early(engine)
+    assert _logged(caplog) == []
+    del deltas  # only now may the stream go
+
+
+def test_leaving_a_stream_at_the_end_of_asyncio_run_logs_nothing(engine, hold, caplog):
+    """The stream is left while the engine is mid-step, so its request ends with that step, after
+    asyncio.run has closed the loop: the step's token and the result find the loop closed."""
+    caplog.set_level(logging.DEBUG, logger="pocketllm")
+    hold.at_forward(engine, 2)
+
+    async def main() -> None:
+        async for _ in engine.stream([1, 2], LONG):
+            await _eventually(hold.reached.is_set)
+            break
+
+    asyncio.run(main())
+    hold.release()
+    _cancelled_early(engine)
+    assert _logged(caplog) == []
