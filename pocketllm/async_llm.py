@@ -3,7 +3,8 @@
 The model runs on the batch scheduler's thread; the event loop only submits, cancels and receives
 (each a short critical section, never a forward pass), so it never blocks on the model. Tokens
 and results cross threads through `loop.call_soon_threadsafe`. Leaving an `async for` over
-`stream` early, or cancelling the task that awaits `generate`, cancels the request.
+`stream` early, or cancelling the task that awaits `generate`, cancels the request; so does the
+event loop closing under it.
 
     async with AsyncLLM(EngineArgs(model=path)) as engine:
         async for delta in engine.stream([1, 2, 3], SamplingParams(max_tokens=8)):
@@ -16,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-from collections.abc import AsyncIterator, Sequence
+import weakref
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 from .config import EngineArgs
 from .llm import LLM
@@ -25,6 +27,47 @@ from .sampling import SamplingParams
 from .scheduler import BatchScheduler
 from .scheduler.batch_scheduler import QueueFullError
 from .scheduler.stream import TokenDelta
+from .scheduler.waits import deadline
+
+StreamItem = TokenDelta | GenerationResult
+
+
+class AsyncStream:
+    """What `AsyncLLM.stream` returns: an async iterable, iterated once (`async for`, or `aiter()`
+    for `anext()`). Its iterator is a generator that only the iteration holds, so leaving the loop
+    early drops it and the event loop's finalizer closes it, cancelling the request, even while the
+    caller keeps this object (a generator the caller held would stay open as long as it is held).
+    `aclose()` closes a running iteration, as on an async generator (`contextlib.aclosing`)."""
+
+    def __init__(self, items: Callable[[], AsyncGenerator[StreamItem, None]]) -> None:
+        self._items: Callable[[], AsyncGenerator[StreamItem, None]] | None = items
+        self._iteration: weakref.ref[AsyncGenerator[StreamItem, None]] | None = None  # never keeps it alive
+
+    def __aiter__(self) -> AsyncGenerator[StreamItem, None]:
+        if self._items is None:
+            raise TypeError("an AsyncLLM stream is iterated once (or was closed); call stream() again "
+                            "for another request")
+        iteration = self._items()
+        self._items, self._iteration = None, weakref.ref(iteration)
+        return iteration
+
+    async def aclose(self) -> None:
+        """End the iteration if one runs (its unfinished request is cancelled); none may start after."""
+        self._items = None
+        iteration = self._iteration() if self._iteration is not None else None
+        if iteration is not None:
+            await iteration.aclose()
+
+
+def _wait_ms(wait_s: float | None) -> float | None:
+    """`wait_s` in the scheduler's milliseconds, once checked by the scheduler's rule for a wait
+    (a number >= 0, None or math.inf: as long as it takes) and refused in the caller's words."""
+    try:
+        deadline(wait_s)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"wait_s must be a number of seconds >= 0, None or math.inf (wait as long as it "
+                        f"takes), got {wait_s!r}") from None
+    return None if wait_s is None else wait_s * 1000
 
 
 class AsyncLLM:
@@ -49,28 +92,47 @@ class AsyncLLM:
                 return item
         raise AssertionError("a stream always ends with its result")
 
-    async def stream(self, prompt_tokens: Sequence[int] | None = None,
-                     sampling_params: SamplingParams | None = None, *, prompt: str | None = None,
-                     priority: int = 0, wait_s: float | None = 0.0) -> AsyncIterator[TokenDelta | GenerationResult]:
+    def stream(self, prompt_tokens: Sequence[int] | None = None, sampling_params: SamplingParams | None = None, *,
+               prompt: str | None = None, priority: int = 0, wait_s: float | None = 0.0) -> AsyncStream:
         """TokenDelta per sampled token (with the text it adds when the model has a tokenizer), then
-        the GenerationResult. Bad input raises before anything is queued. With `max_waiting`
-        requests waiting, QueueFullError at once (`wait_s=0`), or once `wait_s` seconds passed
-        without room (None: wait as long as it takes); the loop runs on meanwhile."""
+        the GenerationResult, for one `async for` (see AsyncStream). Bad input raises before
+        anything is queued: the prompt and `wait_s` here, the rest once iterated. With
+        `max_waiting` requests waiting, QueueFullError at once (`wait_s=0`), or once `wait_s`
+        seconds passed without room (None or math.inf: wait as long as it takes); the loop runs on
+        meanwhile."""
+        wait_ms = _wait_ms(wait_s)
         tokens = self.llm.prepare(prompt_tokens, prompt)
+        return AsyncStream(functools.partial(self._items, tokens, sampling_params, priority, wait_ms))
+
+    async def _items(self, tokens: Sequence[int], sampling_params: SamplingParams | None, priority: int,
+                     wait_ms: float | None) -> AsyncGenerator[StreamItem, None]:
+        """The request's deltas and result, submitted on the first `anext()`; closing the generator
+        before the result cancels the request."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[TokenDelta | GenerationResult] = asyncio.Queue()
+        queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         scheduler = self.scheduler
+
+        def post(item: StreamItem) -> bool:
+            """Hand `item` to the loop; False once the loop is closed (nobody can read it)."""
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:
+                if not loop.is_closed():
+                    raise
+                return False
+            return True
 
         def on_result(result: GenerationResult) -> None:  # on the engine thread, the request has ended
             scheduler.poll_result(result.request_id)  # collected here, so an abandoned stream leaks nothing
-            loop.call_soon_threadsafe(queue.put_nowait, result)
+            post(result)
 
         def on_token(delta: TokenDelta) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, delta)
+            if not post(delta):  # the loop closed under the request: end it (its result callback follows)
+                scheduler.cancel_request(delta.request_id)
 
         submit = functools.partial(scheduler.submit_request, tokens, sampling_params, callback=on_result,
                                    on_token=on_token, priority=priority)
-        request_id = await self._submit(submit, wait_s)
+        request_id = await self._submit(submit, wait_ms)
         ended = False
         try:
             while not ended:
@@ -81,16 +143,15 @@ class AsyncLLM:
             if not ended:  # left early or cancelled: the result callback collects what it did
                 scheduler.cancel_request(request_id)
 
-    async def _submit(self, submit: functools.partial[int], wait_s: float | None) -> int:
+    async def _submit(self, submit: functools.partial[int], wait_ms: float | None) -> int:
         """submit() at once; when the queue is full and the caller waits, the scheduler's own wait
         for room runs on a worker thread, so the event loop runs on meanwhile. A request that gets
         in after its awaiting task was cancelled is cancelled too."""
         try:
             return submit()
         except QueueFullError:
-            if wait_s is not None and wait_s <= 0:
+            if wait_ms == 0:
                 raise
-        wait_ms = None if wait_s is None else wait_s * 1000
         waiting = asyncio.ensure_future(asyncio.to_thread(submit, wait_ms=wait_ms))
         try:
             return await asyncio.shield(waiting)

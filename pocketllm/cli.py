@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn, cast
+
+import torch
 
 from .config import DTYPES, EngineArgs
 from .llm import LLM
@@ -26,7 +29,7 @@ def _token_list(text: str) -> list[int]:
                                          f"got {text!r}") from None
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """A usage error is one line on stderr (naming the subcommand and pointing to --help), exit 2."""
 
     def error(self, message: str) -> NoReturn:
@@ -158,7 +161,7 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="pocketllm", description="A small inference engine for Qwen-family models.")
+    parser = OneLineParser(prog="pocketllm", description="A small inference engine for Qwen-family models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="serial and batched generation on an embedded random checkpoint, "
@@ -204,21 +207,43 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # the benchmark owns its arguments, --help included
+    if argv[:1] == ["bench"]:  # the benchmark owns its arguments, --help included; its main runs in run_command
         from .bench import main as bench_main
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
+    return run_command(args.command, lambda: args.func(args))
+
+
+def run_command(command: str, body: Callable[[], int]) -> int:
+    """`body`'s exit status, keeping the command line's promise of no traceback for a user error:
+    a bad value (CheckpointError is a ValueError), a path that cannot be read or written or a
+    missing optional package is one line on stderr and status 2; Ctrl-C is one line and 130."""
     try:
-        return args.func(args)
+        return body()
     except (ValueError, TypeError, OSError, ImportError) as exc:
-        # User errors: bad values (CheckpointError is a ValueError), paths that cannot be read or
-        # written, a missing optional package. One line, no traceback.
-        print(f"pocketllm {args.command}: error: {_one_line(str(exc))}", file=sys.stderr)
+        print(f"pocketllm {command}: error: {_one_line(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"pocketllm {args.command}: interrupted", file=sys.stderr)
+        print(f"pocketllm {command}: interrupted", file=sys.stderr)
         return 130
+
+
+def check_device(device: str, option: str = "--device") -> None:
+    """ValueError naming `option` and what it takes unless this machine has `device`: a command
+    refuses a typo or a missing GPU before it builds anything, not with torch's traceback later."""
+    try:
+        parsed: torch.device | None = torch.device(device)
+    except RuntimeError:  # not a device string at all
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"{option} {device!r} is not cpu or cuda[:index]")
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise ValueError(f"{option} {device!r}: torch finds no CUDA device here; use cpu")
+        if parsed.index is not None and parsed.index >= count:
+            raise ValueError(f"{option} {device!r}: the CUDA devices here are cuda:0..cuda:{count - 1}")
 
 
 def _one_line(text: str) -> str:

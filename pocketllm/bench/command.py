@@ -29,8 +29,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..cli import OneLineParser, check_device, run_command
 from ..config import ModelConfig
 from ..models import PRESETS, write_checkpoint
+from ..sampling import MAX_SEED
 from ..scheduler import SlotEvent
 from .baseline import load_transformers
 from .report import load_average, machine_info, seed_table, vs_transformers, write_report
@@ -39,15 +41,16 @@ from .workloads import SCALES, make_workloads
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pocketllm bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="pocketllm bench", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help=f"checkpoint preset (default {SCALES['full'].preset}; "
                              f"{SCALES['quick'].preset} with --quick)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"), help="output directory")
     parser.add_argument("--quick", action="store_true",
                         help="tiny preset, 8 requests per workload, max_batch_size 1, 2, 4: under a minute")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the checkpoint weights and the workloads")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds the checkpoint weights and the workloads: an int in [0, 2**64 - 1]")
     parser.add_argument("--real-shapes", action="store_true",
                         help="the real-shape benchmark instead: Qwen3-0.6B and Qwen3.5-0.8B shapes against "
                              "transformers (see pocketllm.bench.real_shapes; tiny presets with --quick)")
@@ -72,9 +75,30 @@ def missing_extras(no_transformers: bool) -> dict[str, str]:
     return skipped
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """ValueError (OSError for --out) naming the option, before a run of minutes rather than
+    after it: the seed is one torch's and numpy's generators both take, the device is here, and
+    files can be written into --out (created if missing)."""
+    if not 0 <= args.seed <= MAX_SEED:
+        raise ValueError(f"--seed must be an int in [0, 2**64 - 1], got {args.seed}")
+    check_device(args.device)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=args.out).close()
+    except OSError as exc:
+        raise OSError(f"--out {str(args.out)!r} is not a directory this process can write into: "
+                      f"{exc.strerror or exc}") from exc
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark and write what this install can: 0 also when plots or the baseline are skipped."""
+    """Run the benchmark and write what this install can: 0 also when plots or the baseline are
+    skipped; a user error is one line on stderr and 2, Ctrl-C one line and 130 (`cli.run_command`)."""
     args = build_parser().parse_args(argv)
+    return run_command("bench", lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    check_arguments(args)
     skipped = missing_extras(args.no_transformers)
     for part, why in skipped.items():
         print(f"pocketllm bench: skipping {part.replace('_', ' ')}: {why}", file=sys.stderr)

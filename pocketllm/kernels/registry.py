@@ -8,7 +8,7 @@ modules by scanning the package (modules whose names start with `_` hold what tw
 adding an op touches no list here. `IMPLEMENTATIONS` below names them; `register` adds a variant
 from outside the package (a notebook, a test file), and `resolve` turns what a user writes in
 `EngineArgs(op_overrides=...)` — a registered name, "module:function", or a callable — into a
-checked callable.
+checked callable, or a ValueError / TypeError saying why it cannot be one.
 """
 
 from __future__ import annotations
@@ -121,15 +121,24 @@ def resolve(op: str, spec: ImplSpec) -> Callable[..., Any]:
 
 
 def import_path(spec: str) -> Callable[..., Any]:
-    """The object at "package.module:attr[.attr...]"; ImportError names what is missing."""
+    """The callable at "package.module:attr[.attr...]", else a ValueError saying why it cannot be
+    had. Importing a user's module runs its code, so whatever that raises (a missing module, a
+    syntax error, its own exception, SystemExit too: a module must not end the process) is the
+    chained cause; KeyboardInterrupt still interrupts."""
     module_name, _, attr_path = spec.partition(":")
     if not module_name or not attr_path:
         raise ValueError(f"an import path must look like 'package.module:function', got {spec!r}")
-    obj: Any = importlib.import_module(module_name)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except (Exception, SystemExit) as exc:
+        raise ValueError(f"cannot import {spec!r}: {type(exc).__name__}: {exc}") from exc
     for attr in attr_path.split("."):
         if not hasattr(obj, attr):
-            raise ImportError(f"{spec!r}: {module_name} has no attribute {attr_path!r}")
+            raise ValueError(f"cannot import {spec!r}: {module_name} has no attribute {attr_path!r}")
         obj = getattr(obj, attr)
+    if not callable(obj):
+        raise ValueError(f"cannot import {spec!r}: {module_name}.{attr_path} is not callable "
+                         f"(type {type(obj).__name__})")
     return obj
 
 
@@ -142,7 +151,7 @@ def check_overrides(overrides: Mapping[str, ImplSpec], field: str = "op_override
         check_op_name(op, f"a key of {field}")
         try:
             resolved[op] = resolve(op, spec)
-        except (ImportError, ValueError, TypeError) as exc:
+        except (ValueError, TypeError) as exc:
             raise type(exc)(f"{field}[{op!r}]: {exc}") from exc
     return resolved
 

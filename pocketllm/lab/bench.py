@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ..bench.report import cpu_name
+from ..cli import check_device
 from ..kernels._triton import HAS_TRITON, INTERPRETED, triton
 from ..kernels.registry import IMPLEMENTATIONS, ImplSpec, describe, resolve
 from ..kernels.spec import Call, Cost
@@ -275,18 +276,12 @@ def bench_op(op: str, impl: ImplSpec = "triton", vs: Sequence[ImplSpec] | None =
 
 
 def check(ops: Sequence[str], impl: ImplSpec, vs: Sequence[ImplSpec] | None, device: str | None = None) -> None:
-    """ValueError (or the ImportError or TypeError of `registry.resolve`) unless every
-    op and implementation is known and the device is there: before anything runs."""
+    """ValueError (or the TypeError of `registry.resolve`) unless every op and implementation is
+    known and the device is there: before anything runs."""
     for op in ops:
         _implementations(op, impl, vs)
-    if device is None:
-        return
-    try:
-        cuda = _on_cuda(device)
-    except RuntimeError as exc:  # torch's message lists the device types
-        raise ValueError(f"device {device!r}: {exc}") from None
-    if cuda and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r}: no CUDA device here; use cpu")
+    if device is not None:
+        check_device(device)
 
 
 def bench(ops: Sequence[str], impl: ImplSpec = "triton", vs: Sequence[ImplSpec] | None = None,

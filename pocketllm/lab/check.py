@@ -8,11 +8,16 @@
   gives the bits of one piece, outputs and final slot state;
 - engine property and parity (`engine.py`): the Hypothesis invariance property of the whole engine
   with the implementation installed, and greedy parity against `transformers`.
+
+An implementation that raises, SystemExit included, fails the check it raised in, with what it
+raised: the verdict is always printed (only Ctrl-C stops the command).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,19 +82,45 @@ def _members_error(got: list[dict[str, torch.Tensor]], want: list[dict[str, torc
     return None
 
 
-def _guarded(check: str, case: Case, body: Callable[[], str | None]) -> Finding:
+class ImplementationExit(Exception):
+    """A SystemExit (or another BaseException but KeyboardInterrupt) raised by an implementation
+    under test, as an Exception: the check it ran in fails, the engine ends that request, and the
+    command goes on to its verdict instead of exiting with the implementation's status (0 would
+    read as a pass). Its cause is what was raised."""
+
+
+def under_test(op: str, spec: ImplSpec) -> Callable[..., Any]:
+    """The implementation `spec` names (`registry.resolve`), each call's SystemExit turned into
+    an `ImplementationExit`; Ctrl-C still interrupts."""
+    fn = resolve(op, spec)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (Exception, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            raise ImplementationExit(f"{type(exc).__name__}: {exc}") from exc
+
+    return call
+
+
+def _guarded(check: str, label: str, body: Callable[[], str | None]) -> Finding:
     """The finding of `body` (None: passed); an exception is a failure that names it."""
     try:
         error = body()
+    except ImplementationExit as exc:
+        error = f"raised {exc}"
     except Exception as exc:  # a variant may fail in any way; the verdict must say how
         error = f"raised {type(exc).__name__}: {exc}"
-    return Finding(check, case.label, error is None, error or "")
+    return Finding(check, label, error is None, error or "")
 
 
 def reference_findings(case: Case, impl: Callable[..., Any], ref: Callable[..., Any], check: str,
                        device: torch.device | str) -> Finding:
     """impl against ref on the case, each member's every output within tolerance."""
-    return _guarded(check, case, lambda: _members_error(
+    return _guarded(check, case.label, lambda: _members_error(
         run(case, impl, device=device), run(case, ref, device=device),
         lambda a, e: close_error(a, e, case.dtype)))
 
@@ -104,7 +135,7 @@ def empty_findings(case: Case, impl: Callable[..., Any], ref: Callable[..., Any]
             if g.shape != w.shape or g.dtype != w.dtype:
                 return f"result {i}: {g.dtype}{list(g.shape)}, the reference gives {w.dtype}{list(w.shape)}"
         return None
-    return _guarded("empty batch", case, body)
+    return _guarded("empty batch", case.label, body)
 
 
 def batch_findings(case: Case, impl: Callable[..., Any], device: torch.device | str) -> Finding:
@@ -122,7 +153,7 @@ def batch_findings(case: Case, impl: Callable[..., Any], device: torch.device | 
             if error:
                 return f"member {i} alone vs the batch: {error}"
         return None
-    return _guarded("batch invariance", case, body)
+    return _guarded("batch invariance", case.label, body)
 
 
 def split_findings(case: Case, impl: Callable[..., Any], device: torch.device | str) -> list[Finding]:
@@ -144,8 +175,7 @@ def split_findings(case: Case, impl: Callable[..., Any], device: torch.device | 
             error = _members_error([joined], [whole], bits_error)
             return f"cut at position {pieces[1].start}: {error}" if error else None
 
-        findings.append(_guarded("split invariance", Case(case.op, f"{case.label} member {index}", case.dtype,
-                                                          case.shared, case.members), body))
+        findings.append(_guarded("split invariance", f"{case.label} member {index}", body))
     return findings
 
 
@@ -156,12 +186,12 @@ def check_kernel(op: str, impl: ImplSpec, vs: Iterable[ImplSpec] = (), device: t
     reference on the case grid (`cases`, default: the op's grid in `dtypes`), against every
     implementation in `vs`, and (with `invariance`) batch and split invariance."""
     check_op_name(op)
-    fn = resolve(op, impl)
+    fn = under_test(op, impl)
     if cases is None:
         cases = op_cases(op, dtypes or default_dtypes(device))
     verdict = Verdict(op, describe(impl))
     ref = IMPLEMENTATIONS[op]["ref"]
-    others = [(describe(spec), resolve(op, spec)) for spec in vs]
+    others = [(describe(spec), under_test(op, spec)) for spec in vs]
     for dtype in dict.fromkeys(case.dtype for case in cases):
         verdict.findings.append(empty_findings(next(c for c in cases if c.dtype == dtype), fn, ref, device))
     for case in cases:
@@ -199,20 +229,23 @@ def check(op: str, impl: ImplSpec, vs: Iterable[ImplSpec] = (), device: torch.de
     the op), the invariance property (`examples` Hypothesis examples; 0 skips it) and greedy
     parity against `transformers`."""
     verdict = check_kernel(op, impl, vs, device, dtypes)
-    fn = resolve(op, impl)
+    fn = under_test(op, impl)
     if examples or parity:
         try:
-            from .engine import engine_property, greedy_parity
+            from .engine import engine_property, greedy_parity, quiet_engine
+
+            if parity:
+                importlib.import_module("transformers")
         except ImportError as exc:
             raise ImportError(f"the engine checks need hypothesis and transformers ({exc}): install "
                               f"pocketllm[dev], or pass examples=0 and parity=False (--examples 0 --no-parity)"
                               ) from exc
-        for preset in presets or engine_presets(op):
-            if examples:
-                error = engine_property({op: fn}, preset, examples)
-                verdict.findings.append(Finding("engine invariance property", f"{preset}, {examples} examples",
-                                                error is None, error or ""))
-            if parity:
-                error = greedy_parity({op: fn}, preset)
-                verdict.findings.append(Finding("greedy parity vs transformers", preset, error is None, error or ""))
+        with quiet_engine():
+            for preset in presets or engine_presets(op):
+                if examples:
+                    verdict.findings.append(_guarded("engine invariance property", f"{preset}, {examples} examples",
+                                                     functools.partial(engine_property, {op: fn}, preset, examples)))
+                if parity:
+                    verdict.findings.append(_guarded("greedy parity vs transformers", preset,
+                                                     functools.partial(greedy_parity, {op: fn}, preset)))
     return verdict

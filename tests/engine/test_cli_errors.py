@@ -112,3 +112,50 @@ def test_make_checkpoint_force_leaves_no_stale_checkpoint_file(capsys, tmp_path)
     ours, theirs = load_file(str(target / "model.safetensors")), load_file(str(fresh / "model.safetensors"))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert json.loads((target / "config.json").read_text()) == json.loads((fresh / "config.json").read_text())
+
+
+@pytest.fixture
+def no_model_built(monkeypatch):
+    """The benchmark's first step (writing its checkpoint) fails the test: a user error must be
+    refused before any model is built."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the benchmark built a model before refusing its arguments")
+
+    monkeypatch.setattr("pocketllm.bench.command.write_checkpoint", refuse)
+
+
+BENCH = ["bench", "--quick", "--no-transformers"]
+
+
+def test_bench_refuses_an_unwritable_out_before_running(capsys, tmp_path, no_model_built):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    assert_one_line_error(*run_cli(capsys, *BENCH, "--out", str(blocker / "results")), "--out", str(blocker))
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**64)])
+def test_bench_refuses_a_seed_out_of_range(capsys, tmp_path, no_model_built, seed):
+    status, err = run_cli(capsys, *BENCH, "--out", str(tmp_path), "--seed", seed)
+    assert_one_line_error(status, err, "--seed must be an int in [0, 2**64 - 1]", seed)
+
+
+@pytest.mark.parametrize("device, message", [
+    ("cdua", "--device 'cdua' is not cpu or cuda[:index]"),
+    pytest.param("cuda", "--device 'cuda': torch finds no CUDA device here",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
+])
+def test_bench_refuses_a_device_it_cannot_use(capsys, tmp_path, no_model_built, device, message):
+    assert_one_line_error(*run_cli(capsys, *BENCH, "--out", str(tmp_path), "--device", device), message)
+
+
+def test_bench_interrupted_is_one_line(capsys, tmp_path, monkeypatch):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("pocketllm.bench.command.write_checkpoint", interrupt)
+    try:
+        status, err = run_cli(capsys, *BENCH, "--out", str(tmp_path))
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped the command as a traceback")
+    assert status == 130, err
+    assert err.strip().splitlines()[-1] == "pocketllm bench: interrupted" and "Traceback" not in err, err

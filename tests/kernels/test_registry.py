@@ -67,14 +67,46 @@ def test_an_optional_parameter_must_stay_optional():
 @pytest.mark.parametrize("overrides, error, message", [
     ({"decode_attn": "ref"}, ValueError, r"a key of op_overrides must be one of \("),
     ({"decode_attention": "nope"}, ValueError, r"must be one of \('ref', 'fused', 'triton'"),
-    ({"decode_attention": "no_such_module_xyz:fn"}, ImportError, "no_such_module_xyz"),
-    ({"decode_attention": "math:no_such_fn"}, ImportError, "math has no attribute 'no_such_fn'"),
+    ({"decode_attention": "no_such_module_xyz:fn"}, ValueError, "no_such_module_xyz"),
+    ({"decode_attention": "math:no_such_fn"}, ValueError, "math has no attribute 'no_such_fn'"),
     ({"decode_attention": 3}, ValueError, "got 3"),
     (["decode_attention"], TypeError, "op_overrides must be a dict"),
 ])
 def test_bad_overrides_name_the_field(overrides, error, message):
     with pytest.raises(error, match=message):
         EngineArgs(model="unused", op_overrides=overrides)
+
+
+@pytest.mark.parametrize("module, source, cause, chained", [
+    ("override_missing_xyz", None, "ModuleNotFoundError: No module named 'override_missing_xyz'", True),
+    ("override_syntax", "def fn(:\n", "SyntaxError: ", True),
+    ("override_raises", "raise RuntimeError('broken at import')\n", "RuntimeError: broken at import", True),
+    ("override_exits", "import sys\nsys.exit(3)\n", "SystemExit: 3", True),
+    ("override_no_fn", "other = 1\n", "override_no_fn has no attribute 'fn'", False),
+    ("override_not_callable", "fn = 42\n", "override_not_callable.fn is not callable (type int)", False),
+])
+def test_an_override_that_cannot_be_imported_is_a_value_error_naming_the_key(module, source, cause, chained, tmp_path,
+                                                                             monkeypatch):
+    """Whatever importing a "module:function" spec raises (a missing module, a syntax error, the
+    module's own exception, even SystemExit), a missing attribute or one that is not callable: a
+    ValueError naming the key, the spec and the cause, the original exception chained."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    if source is not None:
+        (tmp_path / f"{module}.py").write_text(source)
+    try:
+        with pytest.raises(ValueError) as info:
+            EngineArgs(model="unused", op_overrides={"rms_norm": f"{module}:fn"})
+    finally:
+        sys.modules.pop(module, None)
+    message = str(info.value)
+    assert message.startswith(f"op_overrides['rms_norm']: cannot import '{module}:fn': "), message
+    assert cause in message, message
+    if chained:  # the import raised: that exception is in the chain of causes
+        causes, exc = [], info.value.__cause__
+        while exc is not None:
+            causes.append(type(exc).__name__)
+            exc = exc.__cause__
+        assert cause.split(":")[0] in causes, causes
 
 
 @pytest.fixture

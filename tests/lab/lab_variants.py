@@ -4,7 +4,6 @@ planted by construction, tests/planted.py, so the lab catches them on every mach
 
 import torch
 import torch.nn.functional as F
-
 from planted import linear_row_count_dependent, prefill_attention_first_row_nudged
 
 from pocketllm.kernels.decode_attention import decode_attention_ref
@@ -40,3 +39,23 @@ def silu_and_mul_up_gate_swapped(gate_up: torch.Tensor) -> torch.Tensor:
     """Broken: reads up first and gate second."""
     half = gate_up.shape[-1] // 2
     return F.silu(gate_up[:, half:]) * gate_up[:, :half]
+
+
+def silu_and_mul_raises(gate_up: torch.Tensor) -> torch.Tensor:
+    """Broken: raises on every call."""
+    raise TypeError("silu_and_mul_raises takes no tensors")
+
+
+def silu_and_mul_exits(gate_up: torch.Tensor) -> torch.Tensor:
+    """Broken: exits with status 0 on every call (what CI would read as a pass)."""
+    raise SystemExit(0)
+
+
+def silu_and_mul_interrupted(gate_up: torch.Tensor) -> torch.Tensor:
+    """Ctrl-C arriving during the call."""
+    raise KeyboardInterrupt
+
+
+def silu_and_mul_nan(gate_up: torch.Tensor) -> torch.Tensor:
+    """Broken: NaN everywhere, so every engine step fails on non-finite logits."""
+    return torch.full_like(gate_up[:, : gate_up.shape[-1] // 2], float("nan"))
