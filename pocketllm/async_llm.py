@@ -61,12 +61,8 @@ class AsyncStream:
 
 def _wait_ms(wait_s: float | None) -> float | None:
     """`wait_s` in the scheduler's milliseconds, once checked by the scheduler's rule for a wait
-    (a number >= 0, None or math.inf: as long as it takes) and refused in the caller's words."""
-    try:
-        deadline(wait_s)
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"wait_s must be a number of seconds >= 0, None or math.inf (wait as long as it "
-                        f"takes), got {wait_s!r}") from None
+    (a number >= 0, None or math.inf: as long as it takes)."""
+    deadline(wait_s, "wait_s", per_second=1)
     return None if wait_s is None else wait_s * 1000
 
 

@@ -315,4 +315,7 @@ def _params_list(sampling_params: Any, count: int) -> list[SamplingParams]:
                         f"got {type(sampling_params).__name__}")
     if len(sampling_params) != count:
         raise ValueError(f"got {len(sampling_params)} sampling_params for {count} prompts")
+    for params in sampling_params:  # None stands for the defaults only in place of the whole argument
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
     return list(sampling_params)

@@ -17,6 +17,7 @@ or "error"), and its slot is freed when it does.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -100,8 +101,8 @@ class BatchScheduler:
         `priority`: lower runs first, first come first served among equals; a waiting request
         preempts a running one of a higher value when no slot is free. `callback(result)` runs once
         the request has ended, `on_token(delta)` after each token, both on the thread that ran the
-        step, outside the scheduler's lock (a delta whose token ends inside a character comes with
-        the token that completes it, or when the request ends). With `max_waiting` requests
+        step, outside the scheduler's lock (a delta whose token leaves the text inside a character
+        comes with the next token, or when the request ends). With `max_waiting` requests
         waiting, a submission raises QueueFullError at once (`wait_ms=0`), after waiting up to
         `wait_ms` for room, or waits as long as it takes (None; stepping the loop itself where
         nobody else would, as `_drive` does)."""
@@ -242,9 +243,10 @@ class BatchScheduler:
         finally:
             with self._lock:
                 left = request_id in self._requests
-            if left:  # left early: end it and collect what it did
+            if left:  # left early: end it and collect what it did (unless a callback just did)
                 self.cancel_request(request_id)
-                self.poll_result(request_id, timeout_ms=None)
+                with contextlib.suppress(KeyError):
+                    self.poll_result(request_id, timeout_ms=None)
 
     def configure(self, policy: PrefillPolicy) -> None:
         """Run on another prefill policy (budget, cuts, reuse) from now on; only while idle, with
@@ -252,10 +254,10 @@ class BatchScheduler:
         reusable when the reuse grid and snapshot interval are unchanged, and is forgotten else."""
         if not isinstance(policy, PrefillPolicy):
             raise TypeError(f"configure() takes a PrefillPolicy, got {type(policy).__name__}")
+        check_policy(policy, self.cache.num_slots, self.max_seq_len, self.cache.has_states)
         with self._step_lock, self._lock:
             if self._busy():
                 raise RuntimeError("configure() needs an idle scheduler: requests are waiting or running")
-            check_policy(policy, self.cache.num_slots, self.max_seq_len, self.cache.has_states)
             self.planner.policy = policy
             self.slots.configure(policy)
 

@@ -4,10 +4,10 @@
 turns a growing list of token ids into text pieces: a byte-level token can end inside a UTF-8
 character, whose decoded form then ends in U+FFFD; such text is held back until a later token
 completes the character, so the pieces always concatenate to the decoded whole. `DeltaText`
-gives one consumer's deltas their text: a delta whose token ends inside a character waits for
-the token that completes it, or for the request's end, however it ends, which flushes what is
-held back; so the text handed out adds up to the result's text whether the request stopped, ran
-to its length, was cancelled or failed.
+gives one consumer's deltas their text: a delta whose token leaves the text inside a character
+waits for the next token, or for the request's end, however it ends, which flushes what is held
+back; so the text handed out adds up to the result's text whether the request stopped, ran to
+its length, was cancelled or failed.
 """
 
 from __future__ import annotations
@@ -63,28 +63,27 @@ class TextDeltas:
 class DeltaText:
     """One consumer's token deltas of one request, with their text (`texts` None: no tokenizer,
     deltas pass as they are). `push` returns the deltas ready to hand out, in order; `end`, once
-    the request has ended, the ones still held, the last with what was held back."""
+    the request has ended, the one still held, with what was held back. At most one delta is held:
+    the latest, while the text ends inside a character; it goes out with the next token."""
 
     def __init__(self, texts: TextDeltas | None) -> None:
         self._texts = texts
-        self._held: list[TokenDelta] = []
+        self._held: TokenDelta | None = None
 
     def push(self, delta: TokenDelta) -> list[TokenDelta]:
         texts = self._texts
         if texts is None:
             return [delta]
         piece = texts.add(delta.token_id)
-        self._held.append(delta)
+        ready = [] if self._held is None else [dataclasses.replace(self._held, text="")]
         if texts.holding and not delta.last:
-            return []
-        return self._release(piece + (texts.flush() if delta.last else ""))
+            self._held = delta
+            return ready
+        self._held = None
+        return ready + [dataclasses.replace(delta, text=piece + (texts.flush() if delta.last else ""))]
 
     def end(self) -> list[TokenDelta]:
-        if self._texts is None or not self._held:
+        if self._texts is None or self._held is None:
             return []
-        return self._release(self._texts.flush())
-
-    def _release(self, text: str) -> list[TokenDelta]:
-        """The held deltas: the last one carries `text`, the ones before it none."""
-        held, self._held = self._held, []
-        return [dataclasses.replace(d, text=text if i == len(held) - 1 else "") for i, d in enumerate(held)]
+        held, self._held = self._held, None
+        return [dataclasses.replace(held, text=self._texts.flush())]

@@ -9,20 +9,20 @@ import threading
 import time
 
 
-def deadline(timeout_ms: float | None, field: str) -> float | None:
-    """The monotonic time at which a wait gives up; None to wait forever (None or math.inf).
-    `field`: the argument's name, for the error."""
-    if timeout_ms is None:
+def deadline(timeout: float | None, field: str, per_second: float = 1000.0) -> float | None:
+    """The monotonic time at which a wait of `timeout` (milliseconds; seconds with per_second=1)
+    gives up; None to wait forever (None or math.inf). `field`: the argument's name, for the error."""
+    if timeout is None:
         return None
-    if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, numbers.Real):
-        raise TypeError(f"{field} must be a number of milliseconds >= 0, None or math.inf, "
-                        f"got {type(timeout_ms).__name__}")
+    unit = "seconds" if per_second == 1 else "milliseconds"
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"{field} must be a number of {unit} >= 0, None or math.inf, got {type(timeout).__name__}")
     try:
-        timeout_s = float(timeout_ms) / 1000.0
+        timeout_s = float(timeout) / per_second
     except OverflowError:  # an int too large for a float: longer than anyone waits
         return None
     if math.isnan(timeout_s) or timeout_s < 0:
-        raise ValueError(f"{field} must be >= 0, None or math.inf (wait forever), got {timeout_ms!r}")
+        raise ValueError(f"{field} must be >= 0, None or math.inf (wait forever), got {timeout!r}")
     return None if math.isinf(timeout_s) else time.monotonic() + timeout_s
 
 

@@ -1,0 +1,102 @@
+"""Prefix reuse and the token budget, checked directly rather than through the bits alone: a
+conversation reuses only what was prefilled (never positions written by decode steps), reuse
+starts on the grid for attention-only models too, chained keys tell identical blocks at
+different depths apart, the least recently used free slot is the one given away, and no step
+feeds more than max_num_batched_tokens, decode rows included."""
+
+from __future__ import annotations
+
+import pytest
+
+from pocketllm import LLM, EngineArgs, SamplingParams
+from pocketllm.scheduler.prefix_index import PrefixIndex
+
+from .harness import RunRecorder, drain
+
+GRID = 64
+
+
+def _engine(path, **options) -> LLM:
+    return LLM(EngineArgs(model=str(path), max_seq_len=512, backend_options={
+        "enable_batching": True, "background_thread": False, "max_batch_size": 2, "prefill_chunk_size": GRID,
+        "state_snapshot_interval": GRID, **options}))
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("variant", ["tiny", "qwen3.5"])
+def test_a_conversation_reuses_only_what_was_prefilled(checkpoint_dir, variant):
+    """Turn 2 extends turn 1's prompt and answer. Its first 140 tokens are in turn 1's slot, but
+    only the prompt's 100 were prefilled: reuse stops at 64 (the grid below 100), not 128."""
+    path = checkpoint_dir(variant)
+    llm = _engine(path)
+    prompt = [(5 * i + 1) % 200 for i in range(100)]
+    first = llm.generate(prompt, _greedy(40))
+    second_prompt = prompt + first.token_ids + [7] * 30
+    second = llm.generate(second_prompt, _greedy(4))
+    stats = llm.scheduler.get_stats()
+    assert (stats.prefix_hits, stats.prefix_tokens_reused) == (1, 64)
+    cold = LLM(EngineArgs(model=str(path), max_seq_len=512, backend_options={
+        "prefill_chunk_size": GRID, "state_snapshot_interval": GRID})).generate(second_prompt, _greedy(4))
+    assert (second.token_ids, second.logprobs) == (cold.token_ids, cold.logprobs)
+    llm.close()
+
+
+def test_reuse_starts_on_the_grid_for_an_attention_only_model(tiny_checkpoint, monkeypatch):
+    """Two prompts share 100 tokens: the second reuses 64 and prefills from position 64 on, in the
+    pieces of a cold run (cuts at multiples of the grid)."""
+    llm = _engine(tiny_checkpoint)
+    shared = [(3 * i + 2) % 200 for i in range(100)]
+    llm.generate(shared + [1] * 20, _greedy(2))
+    recorder = RunRecorder(llm, monkeypatch)
+    llm.generate(shared + [2] * 50, _greedy(2))
+    starts = [start for part in recorder.prefills() for _, start, _ in part]
+    assert starts == [64, 128] and llm.scheduler.get_stats().prefix_tokens_reused == 64
+
+
+def test_chained_keys_tell_identical_blocks_at_different_depths_apart():
+    a, x, z = [1] * GRID, [2] * GRID, [3] * GRID
+    index = PrefixIndex(num_slots=2, grid=GRID)
+    index.extend(0, a + x, 2 * GRID)  # slot 0 holds A X: its X is at depth 1
+    index.extend(1, x, GRID)  # slot 1 holds X at depth 0
+    assert index.match(x + x, 2 * GRID) == {1: GRID}  # slot 0's second block is not X at depth 1 of X X
+    assert index.match(z + x, 2 * GRID) == {}
+    assert index.match(a + x + z, 3 * GRID) == {0: 2 * GRID}
+    index.truncate(0, GRID)
+    assert index.match(a + x, 2 * GRID) == {0: GRID}
+
+
+def test_the_least_recently_used_free_slot_is_given_away(tiny_checkpoint):
+    """A and B end in that order, each in its own slot; an unrelated prompt takes A's slot (the
+    least recently used), so A's prefix is gone and B's is still reused."""
+    llm = _engine(tiny_checkpoint)
+    s = llm.scheduler
+    prompt_a, prompt_b = [4] * 80, [6] * 80
+    ids = [s.submit_request(prompt_a, _greedy(1)), s.submit_request(prompt_b, _greedy(3))]
+    drain(s)
+    for rid in ids:
+        s.poll_result(rid)
+    llm.generate([9] * 10, _greedy(1))
+    assert s.get_stats().prefix_hits == 0
+    llm.generate(prompt_b + [1], _greedy(1))
+    llm.generate(prompt_a + [1], _greedy(1))
+    assert (s.get_stats().prefix_hits, s.get_stats().prefix_tokens_reused) == (1, 64)
+    llm.close()
+
+
+@pytest.mark.parametrize("budget", [70, 97])
+def test_no_step_feeds_more_than_the_budget(tiny_checkpoint, monkeypatch, budget):
+    """Prompts arrive while others decode, so steps mix decode rows with prefill pieces; the
+    tokens of every forward stay within max_num_batched_tokens."""
+    llm = _engine(tiny_checkpoint, max_batch_size=4, max_num_batched_tokens=budget)
+    recorder = RunRecorder(llm, monkeypatch)
+    s = llm.scheduler
+    for i in range(6):
+        s.submit_request([(i * 7 + j) % 200 for j in range(30 + 25 * i)], _greedy(6))
+        s.step()
+    drain(s)
+    fed = [sum(len(tokens) for _, _, tokens in seqs) for _, seqs in recorder.calls]
+    mixed = [kinds for kinds in recorder.kinds if any(kinds) and not all(kinds)]
+    assert mixed and max(fed) <= budget
