@@ -1,12 +1,15 @@
-"""Soak: thousands of mixed requests through the batch scheduler, with random cancels, raising
-callbacks and injected faults, checking the scheduler's promises over the whole run.
+"""Soak: thousands of mixed requests through the batch scheduler, with random cancels and
+preemptions, streamed tokens, raising callbacks and callbacks that cancel other requests, policy
+changes while idle, injected faults and a draining stop at the end, checking the scheduler's
+promises over the whole run.
 
     python bench/soak.py                      # 20000 requests on the tiny preset
     python bench/soak.py --requests 2000      # what the test suite runs (tests/scheduler/test_soak.py)
 
 Checked: every request reaches exactly one terminal state (polled once; its callback, if any, ran
-once), a request carrying a fault ends "error" and no other does, no slot leaks, resident memory
-grows less than a bound after warm-up, and a sample of survivors equals its serial run bitwise.
+once), a request carrying a fault ends "error" and no other does, a streamed request's deltas are
+its tokens in order, all before its result, no slot or swap space leaks, resident memory grows less
+than a bound after warm-up, and a sample of survivors equals its serial run bitwise.
 Faults are keyed by the request's seed (seed % 100: 1 the sampler raises, 2 it returns a NaN
 logprob, at position (seed // 100) % 1000), so they follow the request whatever slot or batch
 it lands in. Figures are printed and written to bench/results/soak.json.
@@ -30,6 +33,7 @@ import torch
 import pocketllm.llm
 from pocketllm import LLM, EngineArgs, SamplingParams, write_checkpoint
 from pocketllm.kernels import Ops
+from pocketllm.scheduler import PrefillPolicy
 
 TERMINAL = ("stop", "length", "cancelled", "error")
 CALLBACK_ERRORS = (ValueError, SystemExit, KeyboardInterrupt)  # raised by callbacks, fresh each time
@@ -79,8 +83,11 @@ class Planned:
     params: SamplingParams
     faulty: bool
     cancel_after: int | None  # steps after submission; None: never cancelled
+    preempt_after: int | None  # steps after submission; None: never preempted by hand
     callback_error: type[BaseException] | None
     has_callback: bool
+    cancels_another: bool  # its callback cancels the oldest request not yet collected
+    streamed: bool  # with on_token
 
 
 def plan(count: int, vocab: int, rng: random.Random, fault_rate: float, cancel_rate: float) -> list[Planned]:
@@ -99,7 +106,10 @@ def plan(count: int, vocab: int, rng: random.Random, fault_rate: float, cancel_r
         has_callback = rng.random() < 0.3
         callback_error = rng.choice(CALLBACK_ERRORS) if has_callback and rng.random() < 0.3 else None
         cancel_after = rng.randint(0, 4) if rng.random() < cancel_rate else None
-        work.append(Planned(prompt, params, faulty, cancel_after, callback_error, has_callback))
+        preempt_after = rng.randint(1, 3) if rng.random() < 0.05 else None
+        cancels_another = has_callback and callback_error is None and rng.random() < 0.2
+        work.append(Planned(prompt, params, faulty, cancel_after, preempt_after, callback_error, has_callback,
+                            cancels_another, streamed=rng.random() < 0.2))
     return work
 
 
@@ -120,23 +130,36 @@ def soak(path: Path, requests: int, seed: int = 0, max_batch_size: int = 8, faul
     s = llm.scheduler
     work = plan(requests, llm.model_config.vocab_size, rng, fault_rate, cancel_rate)
     callback_calls = [0] * len(work)
+    deltas: dict[int, list[int]] = {}  # request id -> indices its on_token saw
+    problems: list[str] = []
 
     def callback_for(index: int, item: Planned):
         def callback(result):
             callback_calls[index] += 1
+            if item.streamed and deltas.get(result.request_id, []) != list(range(len(result.token_ids))):
+                problems.append(f"request {result.request_id}: deltas {deltas.get(result.request_id, [])} before "
+                                f"its result of {len(result.token_ids)} tokens")
+            if item.cancels_another and pending:
+                s.cancel_request(pending[0])  # back into the scheduler, from its own delivery
             if item.callback_error is not None:
                 raise item.callback_error("raised by a soak callback")
         return callback
+
+    def on_token(delta) -> None:
+        deltas.setdefault(delta.request_id, []).append(delta.index)
 
     # Streaming bookkeeping: per-request state is preallocated, results are checked as they are
     # collected and kept only for the serial sample, so memory growth is the engine's own.
     serial_ids = set(rng.sample(range(len(work)), min(serial_sample * 3, len(work))))
     kept: dict[int, object] = {}
     reasons = dict.fromkeys(TERMINAL, 0)
-    problems: list[str] = []
     index_of: dict[int, int] = {}
     pending: list[int] = []  # submitted ids not yet collected, in order
     cancels: dict[int, list[int]] = {}  # step -> ids to cancel then
+    preempts: dict[int, list[int]] = {}  # step -> ids to preempt then
+    policies = [s.policy, dataclasses.replace(s.policy, prefix_reuse=not s.policy.prefix_reuse),
+                dataclasses.replace(s.policy, max_num_batched_tokens=s.policy.max_num_batched_tokens + 7)]
+    reconfigured = 0
     step = 0
     rss_warm = None
     start = time.perf_counter()
@@ -153,22 +176,32 @@ def soak(path: Path, requests: int, seed: int = 0, max_batch_size: int = 8, faul
             problems.append(f"request {rid} without a fault ended with error: {result.error}")
         if item.faulty and reason not in ("error", "cancelled"):
             problems.append(f"request {rid} carried a fault but ended {reason}")
+        if item.streamed and deltas.pop(rid, []) != list(range(len(result.token_ids))):
+            problems.append(f"request {rid}: its deltas are not its {len(result.token_ids)} tokens in order")
         if i in serial_ids and reason in ("stop", "length"):
             kept[i] = result
 
-    while next_item < len(work) or s.has_work:
+    while next_item < len(work):
+        if not s.has_work:  # idle: another policy, with the same cuts (so the same bits)
+            s.configure(policies[reconfigured % len(policies)])
+            reconfigured += 1
         for _ in range(rng.randint(0, 2 * max_batch_size // 3 + 1)):
             if next_item == len(work):
                 break
             item = work[next_item]
-            rid = s.submit_request(item.prompt, item.params, callback_for(next_item, item) if item.has_callback else None)
+            rid = s.submit_request(item.prompt, item.params, callback_for(next_item, item) if item.has_callback else None,
+                                   on_token=on_token if item.streamed else None)
             index_of[rid] = next_item
             pending.append(rid)
             if item.cancel_after is not None:
                 cancels.setdefault(step + item.cancel_after, []).append(rid)
+            if item.preempt_after is not None:
+                preempts.setdefault(step + item.preempt_after, []).append(rid)
             next_item += 1
         for rid in cancels.pop(step, []):
             s.cancel_request(rid)
+        for rid in preempts.pop(step, []):
+            s.preempt(rid)
         s.step()
         step += 1
         still = []
@@ -181,6 +214,7 @@ def soak(path: Path, requests: int, seed: int = 0, max_batch_size: int = 8, faul
         pending = still
         if rss_warm is None and next_item >= len(work) // 10:
             rss_warm = rss_bytes()
+    s.stop(drain=True)  # what is left runs to its end
     for rid in pending:
         collect(rid, s.poll_result(rid))
     elapsed = time.perf_counter() - start
@@ -190,9 +224,9 @@ def soak(path: Path, requests: int, seed: int = 0, max_batch_size: int = 8, faul
     for i, item in enumerate(work):
         if callback_calls[i] != (1 if item.has_callback else 0):
             problems.append(f"request #{i}: callback ran {callback_calls[i]} times")
-    if llm.cache.num_free != max_batch_size or stats.running or stats.waiting:
+    if llm.cache.num_free != max_batch_size or stats.running or stats.waiting or stats.swap_bytes_held:
         problems.append(f"leak: {llm.cache.num_free}/{max_batch_size} slots free, {stats.running} running, "
-                        f"{stats.waiting} waiting")
+                        f"{stats.waiting} waiting, {stats.swap_bytes_held} swap bytes held")
     counted = stats.finished + stats.cancelled + stats.errored
     if counted != len(work) or sum(reasons.values()) != len(work):
         problems.append(f"{counted} terminal states counted, {sum(reasons.values())} collected, for {len(work)}")
@@ -214,6 +248,8 @@ def soak(path: Path, requests: int, seed: int = 0, max_batch_size: int = 8, faul
         "errored": stats.errored, "cancelled": stats.cancelled, "finished": stats.finished,
         "callbacks": sum(item.has_callback for item in work), "raising_callbacks": expected_callback_errors,
         "generated_tokens": stats.generated_tokens, "serial_checked": len(sample),
+        "preemptions": stats.preemptions, "streamed": sum(item.streamed for item in work),
+        "reconfigured": reconfigured,
         "rss_after_warmup_mib": round(rss_warm / 2**20, 1), "rss_end_mib": round(rss_end / 2**20, 1),
         "rss_growth_mib": round((rss_end - rss_warm) / 2**20, 2),
         "problems": problems,

@@ -1,5 +1,6 @@
-"""Soak, CI size: 2000 mixed requests on the tiny preset (random cancels, raising callbacks,
-injected sampler faults) through bench/soak.py; `python bench/soak.py` runs the large size."""
+"""Soak, CI size: 2000 mixed requests on the tiny preset (random cancels and preemptions, streamed
+tokens, raising callbacks and callbacks that cancel others, policy changes while idle, injected
+sampler faults, a draining stop) through bench/soak.py; `python bench/soak.py` runs the large size."""
 
 from __future__ import annotations
 
@@ -18,4 +19,5 @@ def test_soak_every_promise_holds(tiny_checkpoint):
     assert report["requests"] == REQUESTS
     assert report["faulty_requests"] > 0 and report["errored"] > 0 and report["cancelled"] > 0
     assert report["raising_callbacks"] > 0 and report["serial_checked"] == 20
+    assert report["preemptions"] > 0 and report["streamed"] > 0 and report["reconfigured"] > 0
     assert report["rss_growth_mib"] < RSS_BOUND_MIB, report
