@@ -5,6 +5,7 @@ conftest, imported, is whichever of them Python finds first on its path."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import settings
 
 
@@ -36,3 +37,9 @@ QWEN3_5_VARIANTS = {
                     "linear_key_head_dim": 8, "linear_value_head_dim": 32, "layer_types": ["linear_attention",
                                                                                       "full_attention"]},
 }
+
+
+def variant_params(names, extras) -> list:
+    """Fixture params for `names` with those in `extras` marked slow: the default run covers each
+    model family and each decode strategy once, CI (`-m slow`) the further checkpoint layouts."""
+    return [pytest.param(name, marks=pytest.mark.slow) if name in extras else name for name in sorted(names)]

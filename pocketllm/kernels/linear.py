@@ -121,12 +121,13 @@ def linear_per_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 # Tile sizes are constants per device kind, never derived from M: a row's output tile always has
 # the same shape, the same K blocks in the same order, so its bits cannot depend on the batch.
-# CPU tensors run under the interpreter, one program at a time in numpy, so they get small tiles.
+# CPU tensors run under the interpreter, one program at a time in numpy, where every program and
+# every reduction call costs far more than the arithmetic: they get wide tiles (K in few blocks).
 # There `tl.dot` is numpy's matmul, i.e. the host BLAS, whose micro-kernels give a row different
 # bits at different positions of the tile; rows move between positions with the batch, so the
 # interpreter computes the tile product as an explicit fp32 product and sum, the same per-element
 # order for every row.
-TILES = {"cpu": (16, 32, 32), "cuda": (64, 64, 64)}  # device type -> (BLOCK_M, BLOCK_N, BLOCK_K)
+TILES = {"cpu": (16, 128, 256), "cuda": (64, 64, 64)}  # device type -> (BLOCK_M, BLOCK_N, BLOCK_K)
 GROUP_M = 8
 NUM_WARPS, NUM_STAGES = 4, 3
 

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from helpers import budget
+from helpers import budget, variant_params
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from planted import linear_row_count_dependent
@@ -29,7 +29,8 @@ ENGINE_VARIANTS = {"tiny": ("tiny", {}), "untied_gqa4_bias": ("untied_gqa4_bias"
                    "qwen3.5_per_row": ("qwen3.5", {"decode_per_row": True})}
 
 
-@pytest.fixture(scope="module", params=sorted(ENGINE_VARIANTS))
+@pytest.fixture(scope="module", params=variant_params(ENGINE_VARIANTS, {"untied_gqa4_bias", "qwen3.5_mm_untied",
+                                                                      "qwen3.5_per_row"}))
 def engines(request, checkpoint_dir):
     variant, options = ENGINE_VARIANTS[request.param]
     engines = Engines(checkpoint_dir(variant), **options)

@@ -15,7 +15,7 @@ import random
 
 import pytest
 import torch
-from helpers import budget
+from helpers import budget, variant_params
 from hypothesis import given, settings
 from planted import prefill_attention_first_row_nudged
 
@@ -31,7 +31,7 @@ VARIANTS = {"tiny": ("tiny", {}), "qwen3.5": ("qwen3.5", {}), "tiny_per_row": ("
             "qwen3.5_mm_untied": ("qwen3.5_mm_untied", {})}
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
+@pytest.fixture(scope="module", params=variant_params(VARIANTS, {"qwen3.5_mm_untied"}))
 def engines(request, checkpoint_dir):
     variant, options = VARIANTS[request.param]
     engines = Engines(checkpoint_dir(variant), max_seq_len=MAX_SEQ_LEN, **options)
