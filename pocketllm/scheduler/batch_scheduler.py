@@ -5,23 +5,21 @@ thread, and one loop iteration, `step()`:
 
     plan (planner.py) -> one forward (execute.py) -> apply outcomes -> complete -> deliver (delivery.py)
 
-This module owns what the parts must not: the lock, the conditions and the thread. With the
-background thread, it alone calls `step()` while there is work, and sleeps on a condition
-otherwise: every forward runs on that one thread (see `_drive`). Without it, the callers step the
-loop: `generate()`, `stream()` and a poll that waits without a timeout do (deterministic tests step
-by hand), and so does the scheduler thread itself when a callback on it waits (see `_drive`). The
-forward runs outside the lock, so submit, cancel and a poll with a timeout never wait for the
-model. Every submitted request reaches exactly one terminal state ("stop", "length", "cancelled"
-or "error"), and its slot is freed when it does.
+This module and the loop it builds on (loop.py) own what the parts must not: the lock, the
+conditions and the thread. With the background thread, it alone calls `step()` while there is
+work, and sleeps on a condition otherwise: every forward runs on that one thread (see `_drive`).
+Without it, the callers step the loop: `generate()`, `stream()` and a poll that waits without a
+timeout do (deterministic tests step by hand), and so does the scheduler thread itself when a
+callback on it waits. The forward runs outside the lock, so submit, cancel and a poll with a
+timeout never wait for the model. Every submitted request reaches exactly one terminal state
+("stop", "length", "cancelled" or "error"), and its slot is freed when it does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import cast, overload
 
@@ -30,7 +28,7 @@ from ..outputs import GenerationResult
 from ..runner import ModelRunner
 from ..sampling import SamplingParams
 from .delivery import Callback, Delivery, Subscriber, TokenCallback, token_delta
-from .execute import Outcome, Span, Work, execute
+from .loop import SchedulerLoop
 from .planner import Planner
 from .policy import PrefillPolicy, check_policy
 from .request import Request, RequestStatus, check_submission
@@ -39,8 +37,6 @@ from .stats import Counters, SchedulerStats
 from .stream import TokenDelta
 from .timeline import SlotEvent
 from .waits import deadline, wait_until
-
-logger = logging.getLogger(__name__)
 
 
 class QueueFullError(RuntimeError):
@@ -51,7 +47,7 @@ class SwapSpaceError(RuntimeError):
     """A preemption would hold more than `max_swap_bytes` of swapped-out slots in host memory."""
 
 
-class BatchScheduler:
+class BatchScheduler(SchedulerLoop):
     def __init__(self, runner: ModelRunner, cache: SlotCache, vocab_size: int, max_seq_len: int,
                  eos_token_ids: tuple[int, ...] = (), background_thread: bool = True, record_timeline: bool = False,
                  request_ids: Iterator[int] | None = None, policy: PrefillPolicy | None = None,
@@ -266,104 +262,6 @@ class BatchScheduler:
         with self._lock:
             return self._busy()
 
-    # -- the loop ---------------------------------------------------------------------------
-
-    def step(self) -> bool:
-        """One loop iteration; returns whether it ran a forward pass. Callbacks fire after the
-        step has released its lock, so a callback may submit, cancel, step or stop."""
-        with self._step_lock:
-            start = time.perf_counter()
-            with self._lock:
-                if self._stopped:  # stop() cancels what is left; a late step runs nothing
-                    return False
-                self._stepping = True
-                self.counters.counts["steps"] += 1
-                try:
-                    work = self.planner.plan()
-                except BaseException:
-                    self._stepping = False
-                    raise
-                self._changed.notify_all()  # admissions made room in the queue
-            try:
-                self._run(work)
-            finally:
-                with self._lock:
-                    self._stepping = False
-                    if work:
-                        self.counters.busy_time += time.perf_counter() - start
-                    self._ended(self.planner.complete())
-                    self._changed.notify_all()  # streams wait for tokens as pollers wait for results
-        self.delivery.deliver()
-        return bool(work)
-
-    def _run(self, work: Work) -> None:
-        """The forward over `work`, outside the lock, then its outcomes applied under it. An
-        exception that is not an Exception (KeyboardInterrupt, SystemExit) ends the batch with
-        "error" and propagates."""
-        if not work:
-            return
-        spans: list[Span] = []
-        outcomes: Sequence[Outcome] = []
-        try:
-            outcomes = execute(self.runner, self.slots, work, spans)
-        except BaseException as exc:
-            outcomes = [exc] * len(work)
-            raise
-        finally:
-            with self._lock:
-                self.counters.forward([seq for _, seq in work], spans)
-                for request in self.planner.apply(work, outcomes):
-                    self.delivery.sampled(request)
-
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._stopped and not self._busy():
-                    self._work.wait()
-                if self._stopped:
-                    return
-            try:
-                self.step()
-            except BaseException:  # whatever a step raises (SystemExit included), the loop keeps serving
-                logger.exception("scheduler step failed")
-
-    def _drive(self, done: Callable[[], bool]) -> None:
-        """Return once `done()` (called with the lock held) holds. The background thread steps the
-        loop and others wait for it; a thread that nobody else would step for steps it itself:
-        any caller without a background thread, and the scheduler thread when a callback on it
-        waits (stop(drain=True), generate(), a poll without a timeout), which would otherwise wait
-        for itself. Once stopped, that thread ends what is left (stop() may be joining it).
-
-        Why one thread runs every forward: torch's CPU build runs on GNU OpenMP, whose worker
-        threads spin between parallel regions only while no more OpenMP threads exist than CPUs.
-        Every thread that runs torch ops keeps a team of its own, so a second such thread, even
-        idle, makes the working team sleep on futexes between regions, measurably slower per
-        token. So with a background thread the engine builds the model on a thread that then
-        exits (`LLM`), and the background thread does all the math."""
-        while True:
-            with self._lock:
-                if done():
-                    return
-                if not self._must_step():
-                    self._changed.wait()
-                    continue
-                stopped = self._stopped
-            if stopped:
-                self._end_rest()
-            else:
-                self.step()
-
-    def _must_step(self) -> bool:
-        """Whether this thread steps the loop when it waits for it (see `_drive`)."""
-        return self._thread is None or self._thread is threading.current_thread()
-
-    def _end_rest(self) -> None:
-        """Cancel every request not yet ended (after stop()) and hand out their results."""
-        with self._step_lock, self._lock:
-            self._ended(self.planner.end_all())
-            self._changed.notify_all()
-        self.delivery.deliver()
-
     def _abandon(self, ids: list[int]) -> None:
         """Cancel these requests; their results are dropped when they end, nobody collects them."""
         for request_id in ids:
@@ -403,26 +301,6 @@ class BatchScheduler:
         self._work.notify()
         return request.request_id
 
-    def _ended(self, ended: list[Request]) -> None:
-        """Count the requests that ended, queue their results, drop those nobody collects."""
-        for request in ended:
-            self.counters.ended(request)
-            if request.request_id in self._detached:
-                self._detached.discard(request.request_id)
-                del self._requests[request.request_id]
-        self.delivery.ended(ended)
-        if ended:
-            self._changed.notify_all()
-
     def _progressed(self, request: Request, seen: int) -> Callable[[], bool]:
         """A `_drive` condition: the request has more than `seen` tokens, or has ended."""
         return lambda: self._collectable(request.request_id) or len(request.token_ids) > seen
-
-    def _busy(self) -> bool:
-        return bool(self.planner.waiting or self.planner.running)
-
-    def _collectable(self, request_id: int) -> bool:
-        """The request has finished and left its slot (or is unknown)."""
-        request = self._requests.get(request_id)
-        return request is None or (request.finished and request.slot is None)
-
