@@ -169,18 +169,29 @@ def test_a_callback_may_wait_while_another_thread_stops_the_scheduler(tiny_check
 # -- 3, 4. every delta before its result, with text that adds up however the request ended ------------
 
 def test_a_slow_consumer_gets_every_delta_before_the_result_when_another_thread_cancels(tiny_checkpoint):
+    """Deltas pile up behind a slow on_token while another thread cancels: every delta still
+    comes, in order, before the result, and no two of the request's callbacks ever overlap (one
+    thread hands out at a time)."""
     llm = _batched(tiny_checkpoint, background_thread=True)
     s = llm.scheduler
     events: list = []
+    inside = threading.Lock()
 
-    def on_token(delta):
-        time.sleep(0.02)  # slower than a step: deltas pile up
-        events.append(("token", delta.index))
+    def record(event) -> None:
+        if not inside.acquire(blocking=False):
+            events.append(("overlap", event))
+            return
+        try:
+            time.sleep(0.02)  # slower than a step
+            events.append(event)
+        finally:
+            inside.release()
 
-    rid = s.submit_request([1, 2], _params(60), on_token=on_token,
-                           callback=lambda r: events.append(("result", len(r.token_ids))))
+    rid = s.submit_request([1, 2], _params(60), on_token=lambda d: record(("token", d.index)),
+                           callback=lambda r: record(("result", len(r.token_ids))))
     wait_until(lambda: len(events) >= 2, 30, "two deltas")
-    assert s.cancel_request(rid)
+    for _ in range(3):  # cancels from three threads at once, each one trying to hand out
+        threading.Thread(target=s.cancel_request, args=(rid,)).start()
     wait_until(lambda: events and events[-1][0] == "result", 30, "the result")
     n = events[-1][1]
     assert n < 60 and events == [("token", i) for i in range(n)] + [("result", n)]
