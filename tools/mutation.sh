@@ -29,13 +29,13 @@ declare -A TESTS=(
   [pocketllm.scheduler.planner]="$scheduler_tests"
   [pocketllm.scheduler.delivery]="$scheduler_tests"
   [pocketllm.scheduler.slots]="tests/engine/test_slot_cache.py tests/scheduler/test_slot_state.py tests/scheduler/test_lifecycle.py"
-  [pocketllm.kernels.sample]="tests/kernels/test_sampling.py tests/kernels/test_sampling_boundaries.py tests/kernels/test_sampling_spec.py"
-  [pocketllm.kernels.rms_norm]="tests/kernels/test_ops_reference.py tests/kernels/test_norm_reference.py"
-  [pocketllm.kernels.rms_norm_gated]="tests/kernels/test_ops_reference.py tests/kernels/test_norm_reference.py"
-  [pocketllm.kernels.rope]="tests/kernels/test_ops_reference.py tests/kernels/test_rope_reference.py"
-  [pocketllm.kernels._attention]="tests/kernels/test_ops_reference.py tests/kernels/test_split_invariance.py"
-  [pocketllm.kernels.prefill_attention]="tests/kernels/test_ops_reference.py tests/kernels/test_split_invariance.py"
-  [pocketllm.kernels.decode_attention]="tests/kernels/test_ops_reference.py"
+  [pocketllm.kernels.sample]="tests/kernels/test_sample.py tests/kernels/test_sample_boundaries.py"
+  [pocketllm.kernels.rms_norm]="tests/kernels/test_rms_norm.py tests/kernels/test_rms_norm_gated.py"
+  [pocketllm.kernels.rms_norm_gated]="tests/kernels/test_rms_norm.py tests/kernels/test_rms_norm_gated.py"
+  [pocketllm.kernels.rope]="tests/kernels/test_rope.py tests/kernels/test_rope_write_kv.py"
+  [pocketllm.kernels._attention]="tests/kernels/test_prefill_attention.py tests/kernels/test_decode_attention.py"
+  [pocketllm.kernels.prefill_attention]="tests/kernels/test_prefill_attention.py tests/kernels/test_decode_attention.py"
+  [pocketllm.kernels.decode_attention]="tests/kernels/test_decode_attention.py"
 )
 # In the kernel modules only the torch references are mutated (the Triton kernels are decorated
 # functions, which mutmut leaves alone; their launchers are tested under the interpreter elsewhere).

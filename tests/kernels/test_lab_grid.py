@@ -2,7 +2,7 @@
 case grid: against the reference within the one tolerance table, and (for the implementations an
 invariant engine runs, and any `--impl` under test) each member bitwise the same alone and in any
 batch, and prefill pieces bitwise the same as one piece. Interpreted Triton kernels run in fp32 on
-every other case (the interpreter is slow; tests/kernels/test_*_triton.py cover them further)."""
+every other case (the interpreter is slow; each op's tests/kernels/test_<op>.py covers them further)."""
 
 from __future__ import annotations
 

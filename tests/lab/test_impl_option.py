@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SILU_TESTS = ["tests/kernels/test_linear_norm_act_triton.py", "-k", "silu_and_mul and not gpu"]
+SILU_TESTS = ["tests/kernels/test_silu_and_mul.py", "-k", "silu_and_mul and not gpu"]
 
 
 def _pytest(*args: str) -> subprocess.CompletedProcess:

@@ -1,16 +1,19 @@
-"""The Triton rope + KV-write kernel (pocketllm/kernels/rope_write_kv.py) and sampling kernel
-(pocketllm/kernels/sample.py) against their torch references, and their invariance contract,
-checked bitwise: a token's or a row's result does not depend on the batch around it.
+"""sample (pocketllm/kernels/sample.py), the kernel under test (by default the Triton one) against
+the torch reference, and its invariance contract, checked bitwise: a row's result does not depend
+on the batch around it.
 
-CPU runs use the Triton interpreter (fp32, fp16; small grids to stay fast); the `gpu` tests repeat
-the comparisons in bf16 / at a real vocabulary size on CUDA.
+CPU runs use the Triton interpreter (small grids); the `gpu` tests repeat the comparisons at a real
+vocabulary size on CUDA.
 
-Sampling: the kernel's noise is the reference's bit for bit and logits / T is IEEE-rounded like
-torch's, so its top-k set is exactly the reference's on tie-free logits. Its top-p mass is summed
-in another order (and exp may be approximated on GPU), so a token whose cumulative mass lies
-within BAND of top_p may go either way: `_analyse` marks those tokens, the allowed sets are
-compared exactly everywhere else, and tokens are compared exactly on rows where the winner cannot
-depend on that band or on the rounding of the noisy scores (top-2 scores more than GAP apart).
+The kernel's noise is the reference's bit for bit and logits / T is IEEE-rounded like torch's, so
+its top-k set is exactly the reference's on tie-free logits. Its top-p mass is summed in another
+order (and exp may be approximated on GPU), so a token whose cumulative mass lies within BAND of
+top_p may go either way: `_analyse` marks those tokens, the allowed sets are compared exactly
+everywhere else, and tokens are compared exactly on rows where the winner cannot depend on that
+band or on the rounding of the noisy scores (top-2 scores more than GAP apart).
+
+The reference against independent oracles: test_sample.py; both at exact filter boundaries:
+test_sample_boundaries.py.
 """
 
 from __future__ import annotations
@@ -20,123 +23,21 @@ import torch
 from helpers import budget
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from kernel_cases import MIXED_ROWS
+from kernel_cases import as_int64 as _as_int64
+from kernel_cases import gen as _gen
 from kernel_impls import DEVICE, implementation
 from kernel_tolerances import assert_close
 
-from pocketllm.kernels.rope import apply_rope_ref, rope_table
-from pocketllm.kernels.rope_write_kv import rope_write_kv_ref
 from pocketllm.kernels.sample import _launch_sample, allowed_mask, sample_ref, sample_triton, uniform_noise
 
-rope_write_kv_impl = implementation("rope_write_kv")
 sample_impl = implementation("sample")
 
 BAND = 1e-4  # top-p: cumulative masses this close to top_p are rounding-dependent
 GAP = 1e-5  # noisy scores this close are rounding-dependent
 
 
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _as_int64(seed: int) -> int:
-    """A seed in [0, 2^64) as the int64 with the same bits (how the engine passes seeds)."""
-    return seed - 2**64 if seed >= 2**63 else seed
-
-
-# -- rope + KV write ---------------------------------------------------------------------------------
-
-
-def _rope_case(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int,
-               device: str = DEVICE, slots: int = 4, max_len: int = 256):
-    """q/k/v as strided views of one fused projection [T, (Hq + 2 Hkv) * D] (as the model makes
-    them), distinct (slot, position) pairs spread over `slots` slots, random caches, rope tables."""
-    gen = _gen(seed)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(device=device, dtype=dtype)
-    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q, k, v = (t.reshape(tokens, -1, head_dim) for t in (q, k, v))
-    cells = torch.randperm(slots * max_len, generator=gen)[:tokens]
-    token_slots, positions = (cells // max_len).to(device), (cells % max_len).to(device)
-    shape = (slots, max_len, kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
-    v_cache = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
-    cos, sin = rope_table(head_dim, max_len, 1_000_000.0, device=device)
-    return q, k, v, positions, cos, sin, k_cache, v_cache, token_slots
-
-
-def _run_both(case):
-    """(q_out, k_cache, v_cache) of the kernel and of the reference, each on its own cache copy."""
-    q, k, v, positions, cos, sin, k_cache, v_cache, token_slots = case
-    kc, vc, kr, vr = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
-    out = rope_write_kv_impl(q, k, v, positions, cos, sin, kc, vc, token_slots)
-    ref = rope_write_kv_ref(q, k, v, positions, cos, sin, kr, vr, token_slots)
-    return (out, kc, vc), (ref, kr, vr)
-
-
-# (tokens, q heads, kv heads, head dim): T 1/2/17/65, GQA 1/2/4, D 16/32/64/128 and the odd 24.
-ROPE_CASES = [(1, 4, 4, 16), (2, 4, 2, 32), (17, 8, 2, 64), (65, 4, 1, 128), (17, 2, 2, 128), (5, 3, 3, 24)]
-
-
-def _assert_same_outputs(got: tuple, want: tuple, dtype: torch.dtype) -> None:
-    """Rotated q and both caches: bitwise in fp32, within the dtype's tolerance otherwise."""
-    for actual, expected in zip(got, want):
-        if dtype == torch.float32:
-            assert torch.equal(actual, expected)
-        else:
-            assert_close(actual, expected)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", ROPE_CASES)
-def test_rope_write_kv_matches_reference(tokens, heads, kv_heads, head_dim, dtype):
-    """Rotated q and the written K/V equal the reference (fp32 bitwise, fp16 within tolerance)
-    for strided q/k/v views and tokens spread over slots; every other cache entry is untouched."""
-    case = _rope_case(tokens, heads, kv_heads, head_dim, dtype, seed=tokens * 100 + head_dim)
-    (out, kc, vc), (ref, kr, vr) = _run_both(case)
-    assert out.shape == ref.shape and out.dtype == dtype and out.is_contiguous()
-    _assert_same_outputs((out, kc, vc), (ref, kr, vr), dtype)
-    positions, k_cache, v_cache, token_slots = case[3], case[6], case[7], case[8]
-    untouched = torch.ones(k_cache.shape[:2], dtype=torch.bool, device=DEVICE)
-    untouched[token_slots, positions] = False
-    assert torch.equal(kc[untouched], k_cache[untouched]) and torch.equal(vc[untouched], v_cache[untouched])
-    assert not torch.equal(kc[~untouched], k_cache[~untouched])  # the written entries did change
-
-
-# (tokens, q heads, kv heads, head dim, rotary width): partial rotary, as in Qwen3.5.
-PARTIAL_ROPE_CASES = [(5, 4, 2, 64, 16), (17, 2, 1, 256, 64), (3, 3, 3, 32, 8), (2, 2, 2, 24, 22)]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim,rotary", PARTIAL_ROPE_CASES)
-def test_rope_write_kv_partial_rotary_matches_reference(tokens, heads, kv_heads, head_dim, rotary, dtype):
-    """Tables of width R < D: only the first R dims of each q/k head rotate, the rest (and v)
-    pass through; q and the written K/V equal the reference (fp32 bitwise, fp16 within
-    tolerance) and the pass-through dims are the inputs' bits."""
-    case = list(_rope_case(tokens, heads, kv_heads, head_dim, dtype, seed=tokens * 100 + rotary))
-    case[4], case[5] = rope_table(rotary, case[6].shape[1], 1_000_000.0, device=DEVICE)
-    (out, kc, vc), (ref, kr, vr) = _run_both(case)
-    assert out.shape == ref.shape and out.dtype == dtype
-    _assert_same_outputs((out, kc, vc), (ref, kr, vr), dtype)
-    q, k, positions, token_slots = case[0], case[1], case[3], case[8]
-    assert torch.equal(out[..., rotary:], q[..., rotary:])
-    assert torch.equal(kc[token_slots, positions][..., rotary:], k[..., rotary:])
-    assert not torch.equal(out[..., :rotary], q[..., :rotary])  # the rotary dims did rotate
-
-
-def test_rope_write_kv_token_alone_equals_token_in_batch():
-    """Each token rotated and written alone gives bitwise the same q row and cache entries as
-    inside a batch of 6 (fp16)."""
-    q, k, v, positions, cos, sin, k_cache, v_cache, token_slots = _rope_case(6, 4, 2, 32, torch.float16, seed=7)
-    kb, vb = k_cache.clone(), v_cache.clone()
-    batch = rope_write_kv_impl(q, k, v, positions, cos, sin, kb, vb, token_slots)
-    ka, va = k_cache.clone(), v_cache.clone()
-    for t in range(6):
-        alone = rope_write_kv_impl(q[t:t + 1], k[t:t + 1], v[t:t + 1], positions[t:t + 1], cos, sin, ka, va,
-                                   token_slots[t:t + 1])
-        assert torch.equal(alone[0], batch[t])
-    assert torch.equal(ka, kb) and torch.equal(va, vb)
-
-
-# -- sampling: helpers -------------------------------------------------------------------------------
+# -- helpers -----------------------------------------------------------------------------------
 
 
 def _columns(rows: list[tuple], device: str = DEVICE):
@@ -224,7 +125,7 @@ def _logits(rows: int, vocab: int, seed: int, scale: float = 3.0, device: str = 
     return (scale * torch.randn(rows, vocab, generator=_gen(seed))).to(device)
 
 
-# -- sampling: CPU (interpreter) ---------------------------------------------------------------------
+# -- CPU (interpreter) -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("vocab", [7, 1000])
@@ -303,18 +204,6 @@ def test_sampling_matches_reference_property(case):
     _check_against_reference(logits.to(DEVICE), [row])
 
 
-MIXED_ROWS = [  # (temperature, top_k, top_p, seed, position)
-    (0.0, 0, 1.0, 1, 0),
-    (1.0, 0, 1.0, 2, 5),
-    (0.7, 5, 1.0, 3, 17),
-    (1.3, 0, 0.8, 4, 2),
-    (0.5, 3, 0.5, 2**64 - 1, 1000),
-    (2.5, 0, 1.0, 0, 63),
-    (0.0, 7, 0.3, 9, 9),
-    (1.0, 1, 1.0, 10, 4),
-]
-
-
 def _assert_rows_invariant(logits: torch.Tensor, rows: list[tuple]) -> None:
     """Each row alone, and the batch reversed, give bitwise the batch's tokens and logprobs."""
     device = str(logits.device)
@@ -333,59 +222,7 @@ def test_row_alone_equals_row_in_mixed_batch():
     _assert_rows_invariant(_logits(len(MIXED_ROWS), 300, seed=4, scale=2.0), MIXED_ROWS)
 
 
-# -- GPU, bf16 / real sizes ---------------------------------------------------------------------------
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 64, 4096])
-def test_gpu_rope_write_kv_matches_reference(tokens):
-    """bf16, Hq=32, Hkv=8, D=128, up to 4096 tokens over 16 slots of 4096 positions: q and the
-    caches match the reference (bitwise in fp32), and other cache entries are untouched."""
-    for dtype in (torch.bfloat16, torch.float32):
-        case = _rope_case(tokens, 32, 8, 128, dtype, seed=tokens, device="cuda", slots=16, max_len=4096)
-        (out, kc, vc), (ref, kr, vr) = _run_both(case)
-        if dtype == torch.float32:
-            assert torch.equal(out, ref) and torch.equal(kc, kr) and torch.equal(vc, vr)
-        else:
-            assert_close(out, ref)
-            assert_close(kc, kr)
-            assert_close(vc, vr)
-            untouched = torch.ones(case[6].shape[:2], dtype=torch.bool, device="cuda")
-            untouched[case[8], case[3]] = False
-            assert torch.equal(kc[untouched], case[6][untouched]) and torch.equal(vc[untouched], case[7][untouched])
-
-
-@pytest.mark.gpu
-def test_gpu_rope_write_kv_partial_rotary_matches_reference():
-    """Qwen3.5 attention shapes (Hq=16, Hkv=2, D=256, R=64), 4096 tokens: q and the caches match
-    the reference, bitwise in fp32 and within tolerance in bf16."""
-    for dtype in (torch.bfloat16, torch.float32):
-        case = list(_rope_case(4096, 16, 2, 256, dtype, seed=3, device="cuda", slots=16, max_len=4096))
-        case[4], case[5] = rope_table(64, 4096, 10_000_000.0, device="cuda")
-        (out, kc, vc), (ref, kr, vr) = _run_both(case)
-        if dtype == torch.float32:
-            assert torch.equal(out, ref) and torch.equal(kc, kr) and torch.equal(vc, vr)
-        else:
-            assert_close(out, ref)
-            assert_close(kc, kr)
-            assert_close(vc, vr)
-
-
-@pytest.mark.gpu
-def test_gpu_rope_write_kv_addresses_past_2_31_elements():
-    """bf16 caches of 2^31 + 2^20 elements: the entry of a token in the last slot (offset > 2^31)
-    holds its rotated K and V."""
-    slots, max_len, kv_heads, head_dim = 2049, 1024, 8, 128  # slot stride 2^20 elements
-    k_cache = torch.zeros(slots, max_len, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
-    v_cache = torch.zeros_like(k_cache)
-    q, k, v, _, cos, sin, _, _, _ = _rope_case(2, 32, kv_heads, head_dim, torch.bfloat16, seed=5, device="cuda",
-                                               max_len=max_len)
-    token_slots = torch.tensor([2048, 0], device="cuda")
-    positions = torch.tensor([1023, 5], device="cuda")
-    out = rope_write_kv_impl(q, k, v, positions, cos, sin, k_cache, v_cache, token_slots)
-    assert_close(out, apply_rope_ref(q, positions, cos, sin))
-    assert_close(k_cache[token_slots, positions], apply_rope_ref(k, positions, cos, sin))
-    assert torch.equal(v_cache[token_slots, positions], v)
+# -- GPU, real sizes ---------------------------------------------------------------------------
 
 
 def _gpu_rows(count: int) -> list[tuple]:

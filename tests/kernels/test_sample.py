@@ -1,5 +1,14 @@
-"""The sampler (pocketllm/kernels/sample.py): counter-based noise, greedy / temperature / top-k /
-top-p selection, logprobs and row invariance, checked against references written here."""
+"""sample (pocketllm/kernels/sample.py), its torch reference: counter-based noise, greedy /
+temperature / top-k / top-p selection, logprobs and row invariance, checked against references
+written here (the hash with Python's wrap-around arithmetic, the allowed set in float64 plain
+Python, softmax frequencies), and the noise against the documented formula bit for bit
+(tests/sampling_oracle.py computes the documented hash in Python integers: a change of the offset
+or scale of the uniform, of the mixer or of the key schedule changes some entries even where the
+statistics of the noise would not notice).
+
+The filters at their exact boundaries (reference and kernel): test_sample_boundaries.py; the kernel
+against this reference: test_sample_kernel.py.
+"""
 
 from __future__ import annotations
 
@@ -11,19 +20,18 @@ import torch
 from helpers import budget
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from kernel_cases import MIXED_ROWS
+from kernel_cases import as_int64 as _as_int64
+from kernel_impls import DEVICE, implementation
+from sampling_oracle import MASK32, MAX_UNIFORM, POSITION_SALT, draw, mix, uniforms
 
 from pocketllm.kernels.sample import allowed_mask, mix32, sample_ref, uniform_noise
 
-MASK32 = 2**32 - 1
+sample_impl = implementation("sample")
 
 
 def _column(values, dtype):
     return torch.tensor(values, dtype=dtype)
-
-
-def _as_int64(seed: int) -> int:
-    """A seed in [0, 2^64) as the int64 with the same bits (how the engine passes seeds)."""
-    return seed - 2**64 if seed >= 2**63 else seed
 
 
 def sample(logits, temperature, top_k, top_p, seeds, positions):
@@ -37,7 +45,7 @@ def _logits(rows: int, vocab: int, seed: int, scale: float = 3.0) -> torch.Tenso
     return scale * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed))
 
 
-# -- the hash and the noise --------------------------------------------------------------------------
+# -- the hash and the noise --------------------------------------------------------------------
 
 
 def _lowbias32(x: int) -> int:
@@ -97,7 +105,69 @@ def test_uniform_noise_is_a_pure_function_of_seed_position_and_index():
     assert torch.equal(batch[1], base)
 
 
-# -- greedy, logprobs, determinism ---------------------------------------------------------------------
+# -- the noise is the documented formula, bit for bit ------------------------------------------
+
+
+# Seeds with either 32-bit half zero or all ones, positions at 0 and at the int32 edge.
+CASES = [(0, 0), (1, 7), (2**32, 3), (2**63 + 5, 2**31 - 1), (2**64 - 1, 123456), (0xDEADBEEF12345678, 2**31)]
+
+
+def test_uniform_noise_is_the_documented_formula():
+    vocab = 4099
+    seeds = torch.tensor([_as_int64(s) for s, _ in CASES])
+    positions = torch.tensor([p for _, p in CASES])
+    noise = uniform_noise(seeds, positions, vocab)
+    for row, (seed, position) in zip(noise, CASES):
+        assert row.tolist() == [float(torch.tensor(u, dtype=torch.float32)) for u in uniforms(seed, position, vocab)]
+
+
+def _unmix(y: int) -> int:
+    """The inverse of the documented mixer (xorshifts and odd multipliers are invertible mod 2^32)."""
+    y ^= y >> 16
+    y = (y * pow(0x846CA68B, -1, 2**32)) & MASK32
+    y ^= (y >> 15) ^ (y >> 30)
+    y = (y * pow(0x7FEB352D, -1, 2**32)) & MASK32
+    return y ^ (y >> 16)
+
+
+def _seed_whose_entry_0_draws(bits: int) -> int:
+    """A seed (high half 0) whose noise at position 0, entry 0 has hash `bits`: mix(0) = 0, so the
+    entry's hash is mix(key) and key = mix(seed_lo ^ mix(mix(0 ^ SALT)))."""
+    return _unmix(_unmix(bits)) ^ mix(mix(POSITION_SALT))
+
+
+def test_noise_at_the_largest_draw_stays_below_one():
+    """The hash whose top 24 bits are all ones gives the largest uniform, 1 - 2^-24 after fp32
+    rounding (never 1.0, whose Gumbel noise is infinite): a token filtered out is then still never
+    drawn, and an allowed one wins only by its finite score, on the reference and the kernel."""
+    seed = _seed_whose_entry_0_draws(MASK32)
+    assert uniforms(seed, 0, 1)[0] == MAX_UNIFORM
+    noise = uniform_noise(torch.tensor([seed]), torch.tensor([0]), 2)
+    assert float(noise[0, 0]) == MAX_UNIFORM < 1.0
+    logits = torch.tensor([[0.0, 5.0]], device=DEVICE)
+    for sampler in (sample_ref, sample_impl):
+        for top_k in (1, 0):
+            params = (torch.tensor([1.0], device=DEVICE), torch.tensor([top_k], device=DEVICE),
+                      torch.tensor([1.0], device=DEVICE), torch.tensor([seed], device=DEVICE),
+                      torch.tensor([0], device=DEVICE))
+            token = int(sampler(logits, *params)[0][0])
+            expected = 1 if top_k == 1 else draw([0.0, 5.0], 1.0, 0, 1.0, seed, 0).token
+            assert token == expected, (sampler.__name__, top_k)
+    assert draw([0.0, 5.0], 1.0, 0, 1.0, seed, 0).token == 0  # the extreme draw does win when allowed
+
+
+def test_reference_runs_on_the_inputs_device():
+    """No tensor is made on a fixed device: on the meta device (standing in for a GPU) the noise and
+    the allowed mask come out there, shaped [B, V]."""
+    seeds, positions = torch.tensor([1, 2], device="meta"), torch.tensor([3, 4], device="meta")
+    noise = uniform_noise(seeds, positions, 50)
+    assert noise.device.type == "meta" and noise.shape == (2, 50) and noise.dtype == torch.float32
+    mask = allowed_mask(torch.empty(2, 50, device="meta"), torch.tensor([0, 5], device="meta"),
+                        torch.tensor([1.0, 0.5], device="meta"))
+    assert mask.device.type == "meta" and mask.shape == (2, 50) and mask.dtype == torch.bool
+
+
+# -- greedy, logprobs, determinism -------------------------------------------------------------
 
 
 def test_greedy_rows_are_argmax_with_first_index_on_ties():
@@ -134,18 +204,6 @@ def test_same_seed_and_position_is_bitwise_deterministic():
     assert (t1 != t3).sum() > 32 and (t1 != t4).sum() > 32
 
 
-MIXED_ROWS = [  # (temperature, top_k, top_p, seed, position)
-    (0.0, 0, 1.0, 1, 0),
-    (1.0, 0, 1.0, 2, 5),
-    (0.7, 5, 1.0, 3, 17),
-    (1.3, 0, 0.8, 4, 2),
-    (0.5, 3, 0.5, 2**64 - 1, 1000),
-    (2.5, 0, 1.0, 0, 63),
-    (0.0, 7, 0.3, 9, 9),
-    (1.0, 1, 1.0, 10, 4),
-]
-
-
 def test_row_invariance_alone_vs_mixed_batch():
     """Each row sampled alone gives bitwise the same token and logprob as inside a batch of mixed
     greedy / sampled / top-k / top-p rows, in any batch order."""
@@ -164,7 +222,7 @@ def test_row_invariance_alone_vs_mixed_batch():
         assert torch.equal(reversed_tokens[j], batch_tokens[i]) and torch.equal(reversed_logprobs[j], batch_logprobs[i])
 
 
-# -- filters -------------------------------------------------------------------------------------------------
+# -- filters -----------------------------------------------------------------------------------
 
 
 def test_allowed_mask_hand_computed_cases():
@@ -261,7 +319,7 @@ def test_sampled_token_is_in_independently_computed_allowed_set(case):
     assert float(logprobs[0]) == pytest.approx(float(raw[token] - torch.logsumexp(raw, 0)), abs=1e-4)
 
 
-# -- the sampled distribution ------------------------------------------------------------------------------------
+# -- the sampled distribution ------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("temperature,top_k,expected_support", [(1.0, 0, 4), (0.6, 3, 3)])

@@ -1,55 +1,81 @@
-"""The Triton causal conv1d (prefill and decode) and gated RMSNorm kernels of the Gated DeltaNet
-layers against their torch references, and their invariance contract, checked bitwise: a
-token's output does not depend on the batch around it, on where its prompt was split, or on
-whether it was prefilled or decoded.
+"""conv1d_prefill (pocketllm/kernels/conv1d_prefill.py): the causal depthwise conv1d + SiLU of
+Gated DeltaNet over packed prompts, each continuing its slot's state of K - 1 inputs.
 
-The conv kernels sum the K taps exactly as the reference does (fp32, same order, no FMA), so
-their conv states match bitwise and their outputs differ from the reference only through the
-SiLU's exp; they are compared within the dtype's tolerance. CPU runs use the Triton interpreter
-(fp32, fp16; small shapes); the `gpu` tests repeat the comparisons in bf16 at model sizes.
+- the torch backend's op against an oracle written from the published model definition
+  (transformers' causal_conv1d_update): `F.conv1d` with groups = channels over [prior state,
+  inputs] in float64, then SiLU; the new state is the last K - 1 columns of that window (then decoded on);
+- the kernel under test (by default the Triton one) against the reference: it sums the K taps
+  exactly as the reference does (fp32, same order, no FMA), so its states match bitwise and its
+  outputs differ only through the SiLU's exp (fp32 and fp16 on DEVICE; bf16 at model sizes in the
+  `gpu` tests), sequences of lengths 0..65, shorter than the window included;
+- its invariance, bitwise: a sequence alone equals its batch rows; a prompt cut anywhere (at
+  random points, and at absolute positions after a slot that already holds a window, each piece
+  sharing its call with another sequence; reference and kernel) equals one piece; decode
+  continues the prefill as the prefill of the same tokens would.
 """
+
+from __future__ import annotations
 
 import pytest
 import torch
 from helpers import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_cases import CONV_SLOTS as SLOTS
+from kernel_cases import DTYPES, GPU_CHANNELS, OTHER_LEN
+from kernel_cases import as_long as _as_long
+from kernel_cases import assert_split_invariant as _assert_split_invariant
+from kernel_cases import conv_cu as _cu
+from kernel_cases import conv_inputs as _conv_inputs
+from kernel_cases import conv_oracle as _conv_oracle
+from kernel_cases import conv_oracle_inputs as _conv_oracle_inputs
+from kernel_cases import cu_seqlens as _cu_seqlens
+from kernel_cases import device_long as _long
+from kernel_cases import split_run as _split_run
 from kernel_impls import DEVICE, implementation
 from kernel_tolerances import assert_close
 
-from pocketllm.kernels.conv1d_decode import conv1d_decode_ref
+from pocketllm.kernels import torch_ops
 from pocketllm.kernels.conv1d_prefill import conv1d_prefill_ref, conv1d_prefill_triton
-from pocketllm.kernels.rms_norm_gated import rms_norm_gated_ref
 
+OPS = torch_ops()
 conv1d_prefill_impl = implementation("conv1d_prefill")
 conv1d_decode_impl = implementation("conv1d_decode")
-rms_norm_gated_impl = implementation("rms_norm_gated")
-
-# The fp32/fp16 tests run on DEVICE: CPU tensors under the interpreter, CUDA ones with a GPU.
-DTYPES = (torch.float32, torch.float16)
-SLOTS = 8
 
 
-def _randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32, device: str = DEVICE,
-           scale: float = 1.0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return (scale * torch.randn(*shape, generator=gen)).to(device=device, dtype=dtype)
+# -- the torch backend's op against the convolution --------------------------------------------
 
 
-def _cu(lens: list[int], device: str = DEVICE) -> torch.Tensor:
-    return torch.tensor([0] + lens, device=device).cumsum(0)
+# One prefill call: (slot, length); lengths 1 and 2 are shorter than K - 1 = 3, so part of the old state
+# stays in the new one; slot 2 starts from zeros (a new request).
+CONV_SEQS = [(4, 17), (2, 1), (0, 2), (5, 65), (1, 3), (3, 5)]
 
 
-def _conv_inputs(tokens: int, channels: int, kernel: int, dtype: torch.dtype, seed: int, device: str = DEVICE,
-                 slots: int = SLOTS):
-    """x [T, C] as a column slice of a wider projection (row stride != C, as the model's fused
-    projections give it), weight [C, K] and random conv states (continued sequences) with slot 0
-    zeroed (a new request)."""
-    x = _randn(tokens, channels + 9, seed=seed, dtype=dtype, device=device)[:, 3:3 + channels]
-    weight = _randn(channels, kernel, seed=seed + 1, dtype=dtype, device=device, scale=0.5)
-    states = _randn(slots, channels, kernel - 1, seed=seed + 2, dtype=dtype, device=device)
-    states[0] = 0
-    return x, weight, states
+@pytest.mark.usefixtures("single_torch_thread")  # many tiny ops: threads only add spin-waiting
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kernel", [2, 3, 4])
+def test_conv1d_prefill_then_decode_matches_convolution(kernel: int, dtype: torch.dtype):
+    """Six packed sequences continue their slots' states, then decode three tokens each: every
+    output and each slot's final state (bitwise: it holds inputs) equal the direct convolution of
+    the whole [prior state, prompt, decoded tokens] window; the unused slot 6 is untouched."""
+    lengths, slots, steps, channels = [n for _, n in CONV_SEQS], [s for s, _ in CONV_SEQS], 3, 12
+    x, weight, states = _conv_oracle_inputs(sum(lengths) + steps * len(slots), channels, kernel, 7, dtype, seed=kernel)
+    states[2] = 0
+    before = states.clone()
+    prompt, decoded = x[:sum(lengths)], x[sum(lengths):].reshape(steps, len(slots), channels)
+    out = OPS.conv1d_prefill(prompt, weight, states, _as_long(slots), _cu_seqlens(lengths))
+    step_outs = [OPS.conv1d_decode(decoded[step], weight, states, _as_long(slots)) for step in range(steps)]
+    assert out.shape == prompt.shape and out.dtype == dtype
+    cu = _cu_seqlens(lengths).tolist()
+    for i, slot in enumerate(slots):
+        inputs = torch.cat([prompt[cu[i]:cu[i + 1]], decoded[:, i]])
+        expected, final = _conv_oracle(inputs, weight, before[slot])
+        assert_close(torch.cat([out[cu[i]:cu[i + 1]], torch.stack([o[i] for o in step_outs])]), expected, dtype)
+        assert torch.equal(states[slot].double(), final)
+    assert torch.equal(states[6], before[6])
+
+
+# -- the kernel against the reference ----------------------------------------------------------
 
 
 def _prefill_both(x, weight, states, slots, cu):
@@ -74,8 +100,6 @@ def _check_prefill(lens: list[int], slot_list: list[int], channels: int, kernel:
     assert torch.equal(kernel_states[others], states[others])
 
 
-# -- conv1d: against the reference -------------------------------------------------------------------
-
 # Lengths 1, 2, 3 (shorter than or equal to K - 1: old state entries shift), 0 (an empty sequence),
 # 5, 17, 65 (several token tiles; tiles straddle sequences); slots out of order, slot 0 zero-state.
 PREFILL_LENS = [1, 2, 3, 0, 5, 17, 65]
@@ -92,35 +116,6 @@ def test_conv_prefill_matches_reference(kernel: int, channels: int, dtype: torch
     _check_prefill(PREFILL_LENS, PREFILL_SLOTS, channels, kernel, dtype, seed=kernel * 100 + channels)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kernel", (2, 3, 4))
-def test_conv_decode_matches_reference(kernel: int, dtype: torch.dtype):
-    """Five rows over distinct slots (one zero-state): outputs match the reference, the states
-    shift bitwise as the reference's, other slots are untouched."""
-    x, weight, states = _conv_inputs(5, 37, kernel, dtype, seed=kernel)
-    slots = torch.tensor([6, 0, 2, 7, 4], device=DEVICE)
-    kernel_states, ref_states = states.clone(), states.clone()
-    out = conv1d_decode_impl(x, weight, kernel_states, slots)
-    ref = conv1d_decode_ref(x, weight, ref_states, slots)
-    assert out.shape == x.shape and out.dtype == dtype
-    assert_close(out, ref)
-    assert torch.equal(kernel_states, ref_states)
-    assert torch.equal(kernel_states[[1, 3, 5]], states[[1, 3, 5]])
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_conv_decode_row_alone_equals_row_in_batch(dtype: torch.dtype):
-    """Each row decoded alone gives bitwise its output in a batch of 5 and the same slot state."""
-    x, weight, states = _conv_inputs(5, 37, 4, dtype, seed=9)
-    slots = torch.tensor([6, 0, 2, 7, 4], device=DEVICE)
-    batch_states, alone_states = states.clone(), states.clone()
-    batch = conv1d_decode_impl(x, weight, batch_states, slots)
-    for i in range(5):
-        alone = conv1d_decode_impl(x[i:i + 1], weight, alone_states, slots[i:i + 1])
-        assert torch.equal(alone[0], batch[i]), i
-    assert torch.equal(alone_states, batch_states)
-
-
 def test_conv_rejects_unsupported_width():
     """K = 5 (beyond the unrolled state columns) is refused rather than computed wrongly."""
     x, weight, states = _conv_inputs(3, 8, 5, torch.float32, seed=1)
@@ -128,7 +123,7 @@ def test_conv_rejects_unsupported_width():
         conv1d_prefill_triton(x, weight, states, torch.tensor([1], device=DEVICE), _cu([3]))
 
 
-# -- conv1d: invariance (bitwise) --------------------------------------------------------------------
+# -- invariance (bitwise) ----------------------------------------------------------------------
 
 
 def _check_alone_equals_batch(lens: list[int], slot_list: list[int], channels: int, dtype: torch.dtype,
@@ -186,6 +181,31 @@ def test_conv_prefill_split_invariance(case):
     assert torch.equal(piece_states[2], whole_states[2])
 
 
+CONV_SPLITS = [  # (start, new tokens, absolute cuts): the conv has no grid, so any cut
+    (64, 140, [192]),
+    (128, 80, [129, 130, 192]),  # pieces of one token, shorter than the window
+    (10, 190, [64, 65, 128, 192]),
+]
+
+
+def _conv_call(fn):
+    def call(inputs, state, slots, starts, lengths):
+        (x,) = inputs
+        weight = (torch.linspace(-1.0, 1.0, 8 * 4).reshape(8, 4) + 0.1).to(DEVICE)
+        return fn(x, weight, state, _long(slots), torch.cumsum(_long([0] + lengths), 0))
+    return call
+
+
+@pytest.mark.parametrize("fn", [conv1d_prefill_ref, conv1d_prefill_impl], ids=["ref", "triton"])
+@pytest.mark.parametrize("start,length,cuts", CONV_SPLITS)
+def test_conv1d_prefill_split_invariance(fn, start, length, cuts):
+    """Any cut after a slot that already holds a window of inputs: bitwise outputs and state."""
+    gen = torch.Generator().manual_seed(start)
+    x = torch.randn(length + OTHER_LEN, 8, generator=gen).to(DEVICE)
+    state = torch.randn(3, 8, 3, generator=gen).to(DEVICE)  # K - 1 = 3 remembered inputs per slot
+    _assert_split_invariant(_split_run(_conv_call(fn), (x,), state, start, cuts))
+
+
 def _check_decode_continues_prefill(lens: list[int], slot_list: list[int], channels: int, dtype: torch.dtype,
                                     steps: int, seed: int, device: str = DEVICE) -> None:
     """Prefill a batch, then decode `steps` tokens per sequence: each decoded output equals,
@@ -222,63 +242,7 @@ def test_conv_decode_continues_prefill(dtype: torch.dtype):
     _check_decode_continues_prefill([1, 2, 5, 17], [4, 0, 6, 1], 37, dtype, steps=3, seed=21)
 
 
-# -- gated RMSNorm -----------------------------------------------------------------------------------
-
-
-def _gated_inputs(rows: int, heads: int, hidden: int, dtype: torch.dtype, seed: int, device: str = DEVICE):
-    """x [rows, heads, H] contiguous and gate as a [rows, heads, H] view of a column slice of a
-    wider projection (as the model's fused z projection gives it)."""
-    x = _randn(rows, heads, hidden, seed=seed, dtype=dtype, device=device, scale=3.0)
-    wide = _randn(rows, 2 * heads * hidden, seed=seed + 1, dtype=dtype, device=device, scale=2.0)
-    gate = wide[:, heads * hidden:].reshape(rows, heads, hidden)
-    return x, gate
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("hidden", (1, 37, 128))
-def test_rms_norm_gated_matches_reference(hidden: int, dtype: torch.dtype):
-    """x [17, 3, H] with a strided gate: the kernel matches the reference in x's dtype, with a
-    weight of x's dtype and with an fp32 weight (the norm then stays in fp32 before the gate)."""
-    x, gate = _gated_inputs(17, 3, hidden, dtype, seed=hidden)
-    assert not gate.is_contiguous()
-    for weight_dtype in (dtype, torch.float32):
-        weight = _randn(hidden, seed=hidden + 2, dtype=weight_dtype)
-        out = rms_norm_gated_impl(x, gate, weight, 1e-6)
-        assert out.shape == x.shape and out.dtype == dtype
-        assert_close(out, rms_norm_gated_ref(x, gate, weight, 1e-6))
-
-
-def test_rms_norm_gated_any_leading_shape():
-    """1-d rows and 4-d inputs with permuted leading dims keep their shape and match the reference."""
-    weight = _randn(16, seed=5)
-    for shape, perm in (((16,), (0,)), ((2, 3, 5, 16), (0, 2, 1, 3))):
-        x = _randn(*shape, seed=6).permute(perm)
-        gate = _randn(*shape, seed=7).permute(perm)
-        out = rms_norm_gated_impl(x, gate, weight, 1e-5)
-        assert out.shape == x.shape
-        assert_close(out, rms_norm_gated_ref(x, gate, weight, 1e-5))
-
-
-def _check_gated_rows_invariant(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
-                                prefixes: tuple[int, ...]) -> None:
-    """Any prefix of rows, and a single row, gives bitwise the same rows as the full batch."""
-    full = rms_norm_gated_impl(x, gate, weight, 1e-6)
-    for m in prefixes:
-        assert torch.equal(rms_norm_gated_impl(x[:m], gate[:m], weight, 1e-6), full[:m]), m
-    last = x.shape[0] - 1
-    assert torch.equal(rms_norm_gated_impl(x[last:], gate[last:], weight, 1e-6), full[last:])
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_rms_norm_gated_row_invariant(dtype: torch.dtype):
-    """Prefixes of 1, 2, 7, 16 of 33 rows, and the last row alone, are bitwise the full batch's."""
-    x, gate = _gated_inputs(33, 2, 100, dtype, seed=8)
-    _check_gated_rows_invariant(x, gate, _randn(100, seed=9, dtype=dtype), (1, 2, 7, 16))
-
-
-# -- CUDA, bf16, model sizes -------------------------------------------------------------------------
-
-GPU_CHANNELS = 8192
+# -- CUDA, bf16, model sizes -------------------------------------------------------------------
 
 
 @pytest.mark.gpu
@@ -305,27 +269,3 @@ def test_gpu_conv_invariance():
     pieces = [conv1d_prefill_impl(x[lo:hi], weight, piece_states, slot, _cu([hi - lo], "cuda"))
               for lo, hi in ((0, 1000), (1000, 3001), (3001, 4096))]
     assert torch.equal(torch.cat(pieces), whole) and torch.equal(piece_states, whole_states)
-
-
-@pytest.mark.gpu
-def test_gpu_conv_decode_matches_reference():
-    """bf16, C = 8192, B = 64 over distinct slots: outputs within tolerance, states bitwise."""
-    x = _randn(64, GPU_CHANNELS, seed=41, dtype=torch.bfloat16, device="cuda")
-    weight = _randn(GPU_CHANNELS, 4, seed=42, dtype=torch.bfloat16, device="cuda", scale=0.5)
-    states = _randn(128, GPU_CHANNELS, 3, seed=43, dtype=torch.bfloat16, device="cuda")
-    slots = torch.randperm(128, generator=torch.Generator().manual_seed(44))[:64].cuda()
-    kernel_states, ref_states = states.clone(), states.clone()
-    assert_close(conv1d_decode_impl(x, weight, kernel_states, slots),
-                 conv1d_decode_ref(x, weight, ref_states, slots))
-    assert torch.equal(kernel_states, ref_states)
-
-
-@pytest.mark.gpu
-def test_gpu_rms_norm_gated():
-    """bf16 [4096, 32, 128] with a strided gate: matches the reference (bf16 and fp32 weights) and
-    prefixes of the rows are bitwise the full batch's."""
-    x, gate = _gated_inputs(4096, 32, 128, torch.bfloat16, seed=51, device="cuda")
-    for weight_dtype in (torch.bfloat16, torch.float32):
-        weight = _randn(128, seed=52, dtype=weight_dtype, device="cuda")
-        assert_close(rms_norm_gated_impl(x, gate, weight, 1e-6), rms_norm_gated_ref(x, gate, weight, 1e-6))
-    _check_gated_rows_invariant(x, gate, weight, (1, 7, 64, 4000))
