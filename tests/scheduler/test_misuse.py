@@ -275,6 +275,34 @@ def test_generate_cut_short_leaves_nothing_uncollected(tiny_checkpoint, monkeypa
         assert (stats.uncollected, stats.waiting, stats.running) == (0, 0, 0) and stats.cancelled >= 1
 
 
+def test_generate_stopped_mid_step_leaves_nothing_uncollected(tiny_checkpoint, gate):
+    """generate() waits for room while a forward runs; stop() from another thread makes its next
+    submission raise. What it queued is cancelled: the request in the forward ends with that step
+    and its result is dropped then (nobody will collect it)."""
+    llm = _batched(tiny_checkpoint, max_waiting=1, background_thread=True)
+    s = llm.scheduler
+    g = gate(llm)
+    raised: list = []
+
+    def run_generate() -> None:
+        try:
+            s.generate([([i + 1], _params(20)) for i in range(4)])
+        except RuntimeError as exc:
+            raised.append(exc)
+
+    caller = threading.Thread(target=run_generate)
+    caller.start()
+    assert g.entered.wait(30)  # the first request's forward is held; the queue is full behind it
+    wait_until(lambda: s.get_stats().waiting == 1, 30, "a full queue")
+    stopper = threading.Thread(target=s.stop)
+    stopper.start()
+    caller.join(30)
+    assert raised and "stopped" in str(raised[0])
+    g.opened.set()
+    stopper.join(30)
+    assert not stopper.is_alive() and s.get_stats().uncollected == 0
+
+
 def test_a_caller_driven_submission_that_waits_without_end_steps_the_loop(tiny_checkpoint):
     with _batched(tiny_checkpoint, max_waiting=1) as llm:
         s = llm.scheduler
