@@ -36,7 +36,7 @@ from .slots import SlotManager
 from .stats import Counters, SchedulerStats
 from .stream import TokenDelta
 from .timeline import SlotEvent
-from .waits import deadline, wait_until
+from .waits import deadline
 
 
 class QueueFullError(RuntimeError):
@@ -153,19 +153,13 @@ class BatchScheduler(SchedulerLoop):
         (None or math.inf: wait as long as it takes). A result is handed over once; then the id is
         unknown. Raises KeyError for an id that was never submitted or was already collected,
         ValueError for a negative or NaN timeout."""
-        until = deadline(timeout_ms, "timeout_ms")
-        if until is None:  # a caller that waits as long as it takes may have to step the loop
-            self._drive(lambda: self._collectable(request_id))  # at once for an unknown id: KeyError below
+        # At once for an unknown id (KeyError below); a wait without end may have to step the loop.
+        if not self._drive(lambda: self._collectable(request_id), deadline(timeout_ms, "timeout_ms")):
+            return None
         with self._lock:
-            while True:
-                request = self._requests.get(request_id)
-                if request is None:
-                    raise KeyError(f"request id {request_id} is unknown or its result was already collected")
-                if request.finished and request.slot is None:
-                    del self._requests[request_id]
-                    break
-                if not wait_until(self._changed, until):
-                    return None
+            request = self._requests.pop(request_id, None)  # collectable: ended and out of its slot
+        if request is None:
+            raise KeyError(f"request id {request_id} is unknown or its result was already collected")
         return self.delivery.result(request)
 
     def get_stats(self) -> SchedulerStats:
@@ -283,14 +277,14 @@ class BatchScheduler(SchedulerLoop):
                 if self._stopped or self._draining:
                     raise RuntimeError("scheduler is stopped; no new requests are accepted")
                 waiting = len(self.planner.waiting)
-                if not self.max_waiting or waiting < self.max_waiting:
+                if self._has_room():
                     return self._queue(prompt, sampling, priority, subscriber)
-                if until is not None or not self._must_step():
-                    if not wait_until(self._changed, until):
-                        raise QueueFullError(f"{waiting} requests are waiting, the most max_waiting="
-                                             f"{self.max_waiting} allows; retry later or pass wait_ms to wait for room")
-                    continue
-            self.step()  # nobody else makes room (see _drive)
+            if not self._drive(lambda: self._stopped or self._draining or self._has_room(), until):
+                raise QueueFullError(f"{waiting} requests are waiting, the most max_waiting={self.max_waiting} "
+                                     f"allows; retry later or pass wait_ms to wait for room")
+
+    def _has_room(self) -> bool:
+        return not self.max_waiting or len(self.planner.waiting) < self.max_waiting
 
     def _queue(self, prompt: list[int], sampling: SamplingParams, priority: int, subscriber: Subscriber | None) -> int:
         request = Request(next(self._ids), prompt, sampling, sampling.resolved_seed(), self.eos_token_ids,

@@ -15,6 +15,7 @@ from .planner import Planner
 from .request import Request
 from .slots import SlotManager
 from .stats import Counters
+from .waits import wait_until
 
 logger = logging.getLogger("pocketllm.scheduler.batch_scheduler")
 
@@ -96,12 +97,14 @@ class SchedulerLoop:
             except BaseException:  # whatever a step raises (SystemExit included), the loop keeps serving
                 logger.exception("scheduler step failed")
 
-    def _drive(self, done: Callable[[], bool]) -> None:
-        """Return once `done()` (called with the lock held) holds. The background thread steps the
-        loop and others wait for it; a thread that nobody else would step for steps it itself:
-        any caller without a background thread, and the scheduler thread when a callback on it
-        waits (stop(drain=True), generate(), a poll without a timeout), which would otherwise wait
-        for itself. Once stopped, that thread ends what is left (stop() may be joining it).
+    def _drive(self, done: Callable[[], bool], until: float | None = None) -> bool:
+        """Return True once `done()` (called with the lock held) holds, False once `until` has
+        passed. The background thread steps the loop and others wait for it; a wait without end
+        (`until` None) on a thread that nobody else would step for steps the loop itself: any
+        caller without a background thread, and the scheduler thread when a callback on it waits
+        (stop(drain=True), generate(), a poll without a timeout), which would otherwise wait for
+        itself. Once stopped, that thread ends what is left (stop() may be joining it). A bounded
+        wait only waits, for another caller's step.
 
         Why one thread runs every forward: torch's CPU build runs on GNU OpenMP, whose worker
         threads spin between parallel regions only while no more OpenMP threads exist than CPUs.
@@ -112,9 +115,10 @@ class SchedulerLoop:
         while True:
             with self._lock:
                 if done():
-                    return
-                if not self._must_step():
-                    self._changed.wait()
+                    return True
+                if until is not None or not self._must_step():
+                    if not wait_until(self._changed, until):
+                        return False
                     continue
                 stopped = self._stopped
             if stopped:
