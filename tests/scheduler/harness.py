@@ -65,17 +65,20 @@ class RunRecorder:
 
 
 class Gate:
-    """Wraps llm.runner.run so that each forward blocks until `opened` is set; `entered` is set
-    as soon as a forward is blocked. Bounded: after 30 s a blocked forward raises instead."""
+    """Wraps llm.runner.run so that each forward (each one `holds(seqs)` picks, by default all)
+    blocks until `opened` is set; `entered` is set as soon as a forward is blocked. Bounded: after
+    30 s a blocked forward raises instead."""
 
-    def __init__(self, llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, llm: LLM, monkeypatch: pytest.MonkeyPatch, holds=lambda seqs: True) -> None:
         self._real = llm.runner.run
+        self._holds = holds
         self.opened = threading.Event()
         self.entered = threading.Event()
         monkeypatch.setattr(llm.runner, "run", self.run)
 
     def run(self, seqs):
-        self.entered.set()
-        if not self.opened.wait(30):
-            raise AssertionError("gate was never opened")
+        if self._holds(seqs):
+            self.entered.set()
+            if not self.opened.wait(30):
+                raise AssertionError("gate was never opened")
         return self._real(seqs)

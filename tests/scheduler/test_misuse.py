@@ -6,6 +6,7 @@ checked exactly."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -14,7 +15,7 @@ import pytest
 from pocketllm import LLM, EngineArgs, GenerationResult, QueueFullError, SamplingParams, SwapSpaceError
 from pocketllm.scheduler import PrefillPolicy
 
-from .harness import drain, wait_until
+from .harness import Gate, drain, wait_until
 
 LEAD_BYTE = 0xF0  # the byte-level tokenizer's token for a 4-byte character's first byte: text incomplete
 
@@ -39,9 +40,10 @@ def _in_thread(fn, timeout_s: float = 30.0):
     return box[0] if box else None
 
 
-def _force_tokens(llm: LLM, monkeypatch, token: int, fail_after: int | None = None) -> list[int]:
-    """Every sampled token becomes `token`; with `fail_after`, forwards after that many raise.
-    Each forward takes a few milliseconds at least, so a test can act while a request runs."""
+def _force_tokens(llm: LLM, monkeypatch, tokens, fail_after: int | None = None) -> list[int]:
+    """The sampled tokens become `tokens` (an iterator), in order; with `fail_after`, forwards
+    after that many raise. Each forward takes a few milliseconds at least, so a test can act while
+    a request runs."""
     real, calls = llm.runner.run, [0]
 
     def run(seqs):
@@ -49,7 +51,7 @@ def _force_tokens(llm: LLM, monkeypatch, token: int, fail_after: int | None = No
         calls[0] += 1
         if fail_after is not None and calls[0] > fail_after:
             raise RuntimeError("planted forward failure")
-        return [None if out is None else (token, out[1]) for out in real(seqs)]
+        return [None if out is None else (next(tokens), out[1]) for out in real(seqs)]
 
     monkeypatch.setattr(llm.runner, "run", run)
     return calls  # [forwards so far]
@@ -206,7 +208,7 @@ def test_streamed_text_adds_up_to_the_result_text_however_the_request_ends(tiny_
     otherwise than by a stop token or its length must still flush it, pulled or pushed."""
     llm = _batched(tiny_checkpoint, background_thread=True)
     s = llm.scheduler
-    forwards = _force_tokens(llm, monkeypatch, LEAD_BYTE, fail_after=4 if ending == "error" else None)
+    forwards = _force_tokens(llm, monkeypatch, itertools.repeat(LEAD_BYTE), fail_after=4 if ending == "error" else None)
     pushed, results = [], []
     callbacks = {"on_token": pushed.append, "callback": results.append} if mode == "on_token" else {}
     rid = s.submit_request([1, 2], _params(100), **callbacks)
@@ -229,10 +231,7 @@ def test_text_deltas_are_timely(tiny_checkpoint, monkeypatch):
     """The text handed out so far is the decoded text whenever that does not end inside a character."""
     llm = _batched(tiny_checkpoint)
     s = llm.scheduler
-    script = iter([ord("a"), 0xC3, 0xA9, ord("b"), 0xE2, 0x82, 0xAC, ord("c")] * 3)
-    real = llm.runner.run
-    monkeypatch.setattr(llm.runner, "run",
-                        lambda seqs: [None if o is None else (next(script), o[1]) for o in real(seqs)])
+    _force_tokens(llm, monkeypatch, iter([ord("a"), 0xC3, 0xA9, ord("b"), 0xE2, 0x82, 0xAC, ord("c")] * 3))
     deltas = []
     rid = s.submit_request([1], _params(24), on_token=deltas.append)
     while s.has_work:
@@ -358,7 +357,8 @@ def test_preempt_sets_the_bytes_aside_so_a_true_is_kept(tiny_checkpoint):
         ids = [s.submit_request([1, 2, 3, 4, 5], _params(4)), s.submit_request([6, 7, 8, 9, 10], _params(4))]
         s.step()
         assert s.preempt(ids[0])
-        with pytest.raises(SwapSpaceError, match=f"would hold {2 * size} bytes .* over max_swap_bytes={size + size // 2}"):
+        refused = f"would hold {2 * size} bytes .* over max_swap_bytes={size + size // 2}"
+        with pytest.raises(SwapSpaceError, match=refused):
             s.preempt(ids[1])
         s.step()
         assert s.get_stats().preemptions == 1
@@ -366,19 +366,9 @@ def test_preempt_sets_the_bytes_aside_so_a_true_is_kept(tiny_checkpoint):
         assert [s.poll_result(i).finish_reason for i in ids] == ["length", "length"]
 
 
-def _hold_forwards(llm: LLM, monkeypatch, decode: bool):
-    """Forwards of the given kind (all decode rows, or with a prefill piece) block until
-    `release` is set; `entered` is set when one does."""
-    entered, release, real = threading.Event(), threading.Event(), llm.runner.run
-
-    def run(seqs):
-        if all(s.decode for s in seqs) == decode:
-            entered.set()
-            release.wait(30)
-        return real(seqs)
-
-    monkeypatch.setattr(llm.runner, "run", run)
-    return entered, release
+def _hold_forwards(llm: LLM, monkeypatch, decode: bool) -> Gate:
+    """A gate on the forwards of one kind: all decode rows, or with a prefill piece."""
+    return Gate(llm, monkeypatch, holds=lambda seqs: all(s.decode for s in seqs) == decode)
 
 
 def test_a_preemption_during_a_decode_step_is_sized_after_it(tiny_checkpoint, monkeypatch):
@@ -389,12 +379,12 @@ def test_a_preemption_during_a_decode_step_is_sized_after_it(tiny_checkpoint, mo
         s = llm.scheduler
         rid = s.submit_request([1, 2, 3, 4, 5], _params(6))
         s.step()  # the prompt: 5 positions cached, one token sampled
-        entered, release = _hold_forwards(llm, monkeypatch, decode=True)
+        held = _hold_forwards(llm, monkeypatch, decode=True)
         stepping = threading.Thread(target=s.step)
         stepping.start()
-        entered.wait(30)
+        held.entered.wait(30)
         assert s.preempt(rid)
-        release.set()
+        held.opened.set()
         stepping.join(30)
         s.step()
         assert (s.get_stats().preemptions, s.get_stats().swapped_bytes) == (1, size)
@@ -409,15 +399,15 @@ def test_a_preemption_during_a_prefill_step_is_refused_when_the_piece_will_not_f
     with _batched(tiny_checkpoint, max_swap_bytes=size - 1) as llm:
         s = llm.scheduler
         rid = s.submit_request(list(range(1, 41)), _params(3))
-        entered, release = _hold_forwards(llm, monkeypatch, decode=False)
+        held = _hold_forwards(llm, monkeypatch, decode=False)
         stepping = threading.Thread(target=s.step)
         stepping.start()
-        entered.wait(30)
+        held.entered.wait(30)
         try:
             with pytest.raises(SwapSpaceError, match=f"would hold {size} bytes"):
                 s.preempt(rid)
         finally:
-            release.set()
+            held.opened.set()
             stepping.join(30)
         drain(s)
         assert s.poll_result(rid).finish_reason == "length" and s.get_stats().preemptions == 0
