@@ -3,12 +3,13 @@ stepping until idle, and wrappers of llm.runner.run that record or hold forwards
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
 import pytest
 
-from pocketllm import LLM
+from pocketllm import LLM, EngineArgs
 
 THREAD_NAME = "pocketllm-scheduler"
 
@@ -82,3 +83,12 @@ class Gate:
             if not self.opened.wait(30):
                 raise AssertionError("gate was never opened")
         return self._real(seqs)
+
+
+@functools.cache
+def swap_size(path, cached: int) -> int:
+    """Host bytes a swapped-out request with `cached` positions takes on the checkpoint at `path`
+    (per position and per slot state, whatever the engine's other options)."""
+    with LLM(EngineArgs(model=str(path), max_seq_len=2 * cached + 64,
+                        backend_options={"enable_batching": True, "background_thread": False})) as probe:
+        return probe.cache.swap_bytes(cached)

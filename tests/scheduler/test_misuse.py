@@ -15,7 +15,7 @@ import pytest
 from pocketllm import LLM, EngineArgs, GenerationResult, QueueFullError, SamplingParams, SwapSpaceError
 from pocketllm.scheduler import PrefillPolicy
 
-from .harness import Gate, drain, wait_until
+from .harness import Gate, drain, swap_size, wait_until
 
 LEAD_BYTE = 0xF0  # the byte-level tokenizer's token for a 4-byte character's first byte: text incomplete
 
@@ -329,13 +329,8 @@ def test_a_bad_wait_names_wait_ms(tiny_checkpoint):
         assert llm.scheduler.get_stats().waiting == 0
 
 
-def _swap_size(path, cached: int) -> int:
-    with _batched(path) as probe:
-        return probe.cache.swap_bytes(cached)
-
-
 def test_preempt_accepts_a_swap_of_exactly_max_swap_bytes(tiny_checkpoint):
-    size = _swap_size(tiny_checkpoint, 5)  # a 5-token prompt, prefilled: 5 positions cached
+    size = swap_size(tiny_checkpoint, 5)  # a 5-token prompt, prefilled: 5 positions cached
     with _batched(tiny_checkpoint, max_swap_bytes=size) as llm:
         s = llm.scheduler
         rid = s.submit_request([1, 2, 3, 4, 5], _params(4))
@@ -351,7 +346,7 @@ def test_preempt_accepts_a_swap_of_exactly_max_swap_bytes(tiny_checkpoint):
 def test_preempt_sets_the_bytes_aside_so_a_true_is_kept(tiny_checkpoint):
     """Two preemptions that together exceed max_swap_bytes: the second is refused at once, naming
     the bytes it would hold; the first happens."""
-    size = _swap_size(tiny_checkpoint, 5)
+    size = swap_size(tiny_checkpoint, 5)
     with _batched(tiny_checkpoint, max_swap_bytes=size + size // 2) as llm:
         s = llm.scheduler
         ids = [s.submit_request([1, 2, 3, 4, 5], _params(4)), s.submit_request([6, 7, 8, 9, 10], _params(4))]
@@ -374,7 +369,7 @@ def _hold_forwards(llm: LLM, monkeypatch, decode: bool) -> Gate:
 def test_a_preemption_during_a_decode_step_is_sized_after_it(tiny_checkpoint, monkeypatch):
     """preempt() while the forward runs sizes the swap as the automatic path will: the positions
     cached once that forward is done (here the prompt's 5 and the decode row's 1)."""
-    size = _swap_size(tiny_checkpoint, 6)
+    size = swap_size(tiny_checkpoint, 6)
     with _batched(tiny_checkpoint, max_swap_bytes=size) as llm:
         s = llm.scheduler
         rid = s.submit_request([1, 2, 3, 4, 5], _params(6))
@@ -395,7 +390,7 @@ def test_a_preemption_during_a_decode_step_is_sized_after_it(tiny_checkpoint, mo
 def test_a_preemption_during_a_prefill_step_is_refused_when_the_piece_will_not_fit(tiny_checkpoint, monkeypatch):
     """A prefill piece in flight will cache all its positions: a swap of that size over
     max_swap_bytes is refused now, not accepted and then silently dropped."""
-    size = _swap_size(tiny_checkpoint, 40)
+    size = swap_size(tiny_checkpoint, 40)
     with _batched(tiny_checkpoint, max_swap_bytes=size - 1) as llm:
         s = llm.scheduler
         rid = s.submit_request(list(range(1, 41)), _params(3))

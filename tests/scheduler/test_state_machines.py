@@ -8,6 +8,7 @@ prefix of them if it was cancelled)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -19,6 +20,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pocketllm import LLM, EngineArgs, GenerationResult, QueueFullError, SamplingParams, SwapSpaceError
 from pocketllm.scheduler import PrefillPolicy
+
+from .harness import swap_size
 
 # A generator's finally that raises is only an "unraisable" warning: here it fails the test.
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
@@ -58,18 +61,6 @@ class _Reference:
 
 
 REFERENCE = _Reference()
-_SWAP_BUDGETS: dict = {}
-
-
-def swap_budget(path) -> int:
-    """Host memory for swaps: a long request's and a short one's worth, so preempt() is refused sometimes."""
-    if path not in _SWAP_BUDGETS:
-        with LLM(EngineArgs(model=str(path), max_seq_len=MAX_SEQ_LEN, backend_options={"enable_batching": True,
-                                                                                      **OPTIONS})) as probe:
-            _SWAP_BUDGETS[path] = probe.cache.swap_bytes(120) + probe.cache.swap_bytes(30)
-    return _SWAP_BUDGETS[path]
-
-
 class SchedulerMachine(RuleBasedStateMachine):
     background = False
     checkpoint = None  # set by the test
@@ -78,7 +69,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         super().__init__()
         self.llm = LLM(EngineArgs(model=str(self.checkpoint), max_seq_len=MAX_SEQ_LEN, backend_options={
             "enable_batching": True, "background_thread": self.background, **OPTIONS,
-            "max_swap_bytes": swap_budget(self.checkpoint)}))
+            # A long request's and a short one's worth of swap space, so preempt() is refused sometimes.
+            "max_swap_bytes": swap_size(self.checkpoint, 120) + swap_size(self.checkpoint, 30)}))
         self.s = self.llm.scheduler
         self.mutex = threading.RLock()  # what the callbacks record, against the invariants' reads
         self.specs: dict[int, tuple[list[int], SamplingParams]] = {}
@@ -182,10 +174,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             running = [i for i in open_ids if self.pushed[i] and not isinstance(self.pushed[i][-1], GenerationResult)]
         open_ids = running or open_ids
         if open_ids:
-            try:
+            with contextlib.suppress(SwapSpaceError):
                 self.s.preempt(data.draw(st.sampled_from(open_ids)))
-            except SwapSpaceError:
-                pass
 
     @precondition(lambda self: self._open())
     @rule(data=st.data(), wait=st.sampled_from([0, None]))
