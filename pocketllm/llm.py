@@ -98,7 +98,8 @@ class LLM:
     def _build(self) -> bool:
         """Model, cache and runner, then the invariance check; returns whether outputs are batch invariant."""
         args, backend = self.args, self.args.options.backend
-        ops = get_ops(args.backend, backend.batch_invariant, backend.decode_per_row, args.op_overrides)
+        ops = get_ops(args.backend, backend.batch_invariant, backend.decode_per_row, args.op_overrides,
+                      backend.exact_positions)
         self.model = build_model(args.model, self.model_config, ops, args.torch_dtype, self.device,
                                  args.max_seq_len)
         self.cache = SlotCache(args.max_batch_size, args.max_seq_len, self.model.cache_specs(), args.torch_dtype,

@@ -57,7 +57,10 @@ class BackendOptions:
     invariance_probe: bool = _option(True, "a backend not invariant by construction: check at start-up that the "
                                            "row-wise ops are invariant here")
     decode_per_row: bool = _option(False, "decode rows multiply W one row per call (fastest for batches of 1-2) "
-                                          "instead of in 4-row tiles (fastest from 3 rows on)")
+                                          "instead of in 4-row tiles (fastest from 3 rows on); needs "
+                                          "exact_positions=False")
+    exact_positions: bool = _option(True, "a position's logits are bitwise the same decoded, prefilled in a piece "
+                                          "of any length, or scored (prompt_logprobs); attention-only models")
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,11 @@ def parse_backend_options(raw: Mapping[str, Any] | None) -> Options:
         raise ValueError(f"unknown backend_options {sorted(unknown)}; allowed: {sorted(KNOWN)}")
     for name, value in raw.items():
         _check(name, value)
-    return Options(EngineOptions(**_given(EngineOptions, raw)), BackendOptions(**_given(BackendOptions, raw)))
+    backend = BackendOptions(**_given(BackendOptions, raw))
+    if backend.decode_per_row and backend.exact_positions:
+        raise ValueError("backend_options['decode_per_row']=True needs backend_options['exact_positions']=False: a "
+                         "row multiplied alone rounds differently from the same row prefilled in a 4-row tile")
+    return Options(EngineOptions(**_given(EngineOptions, raw)), backend)
 
 
 def _given(group: type, raw: Mapping[str, Any]) -> dict[str, Any]:

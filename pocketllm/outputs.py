@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
+TopLogprobs = list[tuple[int, float]]  # (token id, logprob), best first, ties by lower id
 
 
 @dataclass
@@ -16,6 +17,11 @@ class GenerationResult:
     (max_tokens reached), "cancelled" or "error" (see `error`).
     text: token_ids decoded with special tokens (EOS among them) skipped, filled in by
     `LLM.generate` when the model directory has a tokenizer; None otherwise.
+    top_logprobs: with `SamplingParams.logprobs=k`, the k best tokens at each generated position.
+    prompt_logprobs / prompt_top_logprobs: with `SamplingParams.prompt_logprobs`, one entry per
+    prompt token (None for the first, which nothing predicts): its logprob given the tokens before
+    it, and (k >= 1) that position's k best tokens. Every logprob is the log-softmax of the raw
+    logits, as for generated tokens; None where not asked for.
     """
 
     request_id: int
@@ -28,3 +34,6 @@ class GenerationResult:
     ttft_s: float | None = None
     total_time_s: float | None = None
     text: str | None = None
+    top_logprobs: list[TopLogprobs] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[TopLogprobs | None] | None = None

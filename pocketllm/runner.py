@@ -1,15 +1,16 @@
 """ModelRunner: a list of sequences -> one ForwardBatch -> model forward -> a sampled token for
-each sequence that samples (decode rows, and prefill pieces that end their prompt).
+each sequence that samples (decode rows, and prefill pieces that end their prompt), and the scores
+of the rows a prefill piece asks to score (prompt logprobs).
 
 The serial path and the batch scheduler both step requests through here, on the same slot cache.
-A forward either returns a finite (token, logprob) for every sequence, or raises; it touches the
+A forward either returns finite logprobs for every sequence, or raises; it touches the
 cache only through the model's forward (what the slots hold is the slot manager's business, and so
 is putting their states back before a failed batch is rerun: see `scheduler/execute.py`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,7 +23,8 @@ from .sampling import SamplingParams
 class SequenceInput:
     """New tokens of one sequence: `start` tokens of it are already in slot `slot`. `decode`: one
     token through the decode ops; otherwise a prefill piece. `sample`: whether a token is sampled
-    after it (not for a prefill piece that ends inside the prompt)."""
+    after it (not for a prefill piece that ends inside the prompt). `targets`: the tokens its first
+    rows are scored against (row i: the token after token_ids[i]; empty: nothing is scored)."""
 
     slot: int
     start: int
@@ -31,6 +33,26 @@ class SequenceInput:
     seed: int
     decode: bool = False
     sample: bool = True
+    targets: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token at a position, its logprob, and the position's best alternatives (best first, ties by
+    token id) when they were asked for."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class SequenceOutput:
+    """What a forward gave one sequence: the token sampled after it (None: a piece inside its
+    prompt) and the scores of its first rows against `SequenceInput.targets`."""
+
+    sampled: TokenLogprob | None = None
+    scores: tuple[TokenLogprob, ...] = ()
 
 
 class NonFiniteOutputError(RuntimeError):
@@ -49,41 +71,58 @@ class ModelRunner:
         self.device = torch.device(device)
 
     @torch.inference_mode()
-    def run(self, seqs: list[SequenceInput]) -> list[tuple[int, float] | None]:
-        """One forward over all `seqs` (decode rows and prefill pieces mixed); returns, in order,
-        (token, logprob) for each sequence that samples and None for each that does not.
-        Raises NonFiniteOutputError for a non-finite output."""
+    def run(self, seqs: list[SequenceInput]) -> list[SequenceOutput]:
+        """One forward over all `seqs` (decode rows and prefill pieces mixed); returns their outputs
+        in order. Raises NonFiniteOutputError for a non-finite output."""
         if not seqs:
             return []
         # Decode sequences first: the batch layout the ops dispatch on (see ForwardBatch).
         order = sorted(range(len(seqs)), key=lambda i: not seqs[i].decode)
-        ordered = [seqs[i] for i in order]
-        sampled = iter(self._forward_and_sample(ordered, [s.slot for s in ordered], [s.start for s in ordered]))
-        outputs: list[tuple[int, float] | None] = [None] * len(seqs)
-        for i in order:
-            if seqs[i].sample:
-                outputs[i] = next(sampled)
+        ordered = self._forward([seqs[i] for i in order])
+        outputs = [SequenceOutput()] * len(seqs)
+        for i, output in zip(order, ordered):
+            outputs[i] = output
         return outputs
 
-    def _forward_and_sample(self, seqs: list[SequenceInput], slots: list[int],
-                            starts: list[int]) -> list[tuple[int, float]]:
-        """(token, logprob) for each sequence of `seqs` that samples, in order."""
-        batch = ForwardBatch.build(slots, starts, [s.token_ids for s in seqs], [s.decode for s in seqs], self.device,
-                                   [s.sample for s in seqs])
+    def _forward(self, seqs: list[SequenceInput]) -> list[SequenceOutput]:
+        """The outputs of `seqs`, in order: logits of their scored rows and sampling rows, then the
+        sampler on the sampling rows and the scoring op on the rest."""
+        batch = ForwardBatch.build([s.slot for s in seqs], [s.start for s in seqs], [s.token_ids for s in seqs],
+                                   [s.decode for s in seqs], self.device, [s.sample for s in seqs],
+                                   [len(s.targets) for s in seqs])
         logits = self.model.forward(batch, self.cache)
-        seqs = [s for s in seqs if s.sample]
-        if not seqs:
-            return []
         finite = torch.isfinite(logits).all(dim=-1)
         if not bool(finite.all()):
-            raise NonFiniteOutputError(f"the model produced non-finite logits (NaN or inf) for sequence(s) "
-                                       f"{_false_rows(finite)} of {len(seqs)}")
+            raise NonFiniteOutputError(f"the model produced non-finite logits (NaN or inf) for logit row(s) "
+                                       f"{_false_rows(finite)} of {logits.shape[0]}")
+        rows = iter(range(logits.shape[0]))  # sequence by sequence: its scored rows, then its sampling row
+        scored, sample_rows = [], []
+        for s in seqs:
+            scored.append([next(rows) for _ in s.targets])
+            sample_rows.append(next(rows) if s.sample else None)
+        sampled = self._sample(logits, [(s, row) for s, row in zip(seqs, sample_rows) if row is not None])
+        # Rows to score: every target, and each sampled token whose alternatives are asked for.
+        wanted = [(row, target, s.params.prompt_logprobs or 0)
+                  for s, rows_of in zip(seqs, scored) for row, target in zip(rows_of, s.targets)]
+        wanted += [(row, sampled[row][0], s.params.logprobs) for s, row in zip(seqs, sample_rows)
+                   if row is not None and s.params.logprobs]
+        tops = self._alternatives(logits, wanted)
+        return [SequenceOutput(
+            None if row is None else TokenLogprob(*sampled[row], tops[row][1] if row in tops else ()),
+            tuple(TokenLogprob(target, tops[r][0], tops[r][1]) for r, target in zip(rows_of, s.targets)))
+            for s, rows_of, row in zip(seqs, scored, sample_rows)]
+
+    def _sample(self, logits: torch.Tensor, rows: list[tuple[SequenceInput, int]]) -> dict[int, tuple[int, float]]:
+        """logit row -> (token, logprob) sampled there, for each (sequence, row) of `rows`."""
+        if not rows:
+            return {}
+        seqs = [s for s, _ in rows]
 
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)
 
         tokens, logprobs = self.model.ops.sample(
-            logits,
+            logits[column([row for _, row in rows], torch.int64)],
             column([0.0 if s.params.greedy else float(s.params.temperature) for s in seqs], torch.float32),
             column([s.params.top_k for s in seqs], torch.int64),
             column([float(s.params.top_p) for s in seqs], torch.float32),
@@ -94,7 +133,20 @@ class ModelRunner:
         if not bool(valid.all()):
             raise NonFiniteOutputError(f"the sampler returned a non-finite logprob or a token outside the vocabulary "
                                        f"for sequence(s) {_false_rows(valid)} of {len(seqs)}")
-        return list(zip(tokens.tolist(), logprobs.tolist()))
+        return {row: out for (_, row), out in zip(rows, zip(tokens.tolist(), logprobs.tolist()))}
+
+    def _alternatives(self, logits: torch.Tensor, wanted: list[tuple[int, int, int]]
+                      ) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
+        """logit row -> (logprob of its token, its best `k` alternatives) for each (row, token, k)
+        of `wanted`, in one call of the scoring op (each row's first k of the largest k asked)."""
+        if not wanted:
+            return {}
+        index = torch.tensor([row for row, _, _ in wanted], dtype=torch.int64, device=self.device)
+        tokens = torch.tensor([token for _, token, _ in wanted], dtype=torch.int64, device=self.device)
+        num_top = max(k for _, _, k in wanted)
+        chosen, top_ids, top_logprobs = self.model.ops.logprobs(logits[index], tokens, num_top)
+        pairs = [list(zip(ids, lps)) for ids, lps in zip(top_ids.tolist(), top_logprobs.tolist())]
+        return {row: (lp, tuple(pair[:k])) for (row, _, k), lp, pair in zip(wanted, chosen.tolist(), pairs)}
 
 
 def _false_rows(mask: torch.Tensor) -> list[int]:

@@ -12,6 +12,7 @@ MAX_SEED = 2**64 - 1
 MIN_TEMPERATURE = 1e-5
 MAX_TOP_K = 2**63 - 1  # the sampler's int64
 MAX_TEMPERATURE = 3.4028234663852886e38  # the largest fp32: the sampler divides fp32 logits by it
+MAX_LOGPROBS = 20  # the most alternatives a position reports (OpenAI's and vLLM's default limit)
 
 
 def _short(value: object, limit: int = 60) -> str:
@@ -42,7 +43,13 @@ class SamplingParams:
     """temperature 0 (or below MIN_TEMPERATURE) is greedy. top_k 0 and top_p 1 disable those filters. A request
     without a seed gets a random one at submission, reported in its result so the run can be replayed.
     Every field is checked on construction: ValueError (TypeError for a container of the wrong
-    kind) naming the field and its allowed range."""
+    kind) naming the field and its allowed range.
+
+    logprobs: k in [0, MAX_LOGPROBS] also reports, for each generated token, the k most likely tokens
+    at its position with their logprobs (ties by lower token id); None or 0: only the token's own.
+    prompt_logprobs: score the prompt. True or 0: the logprob of every prompt token given the tokens
+    before it (the first has none); k in [1, MAX_LOGPROBS]: with each position's top k as well. A
+    scoring request always runs its whole prompt: it reuses no cached prefix."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -51,6 +58,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: bool | int | None = None
 
     def __post_init__(self) -> None:
         set_field = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
@@ -74,6 +83,14 @@ class SamplingParams:
                                           for t in stop))
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {_short(self.ignore_eos)}")
+        rule = f"None or an int in [0, {MAX_LOGPROBS}]"
+        if self.logprobs is not None:
+            set_field("logprobs", _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS, rule))
+        if isinstance(self.prompt_logprobs, bool):
+            set_field("prompt_logprobs", 0 if self.prompt_logprobs else None)
+        elif self.prompt_logprobs is not None:
+            set_field("prompt_logprobs", _int_in("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS,
+                                                 f"True, False, {rule}"))
 
     @property
     def greedy(self) -> bool:

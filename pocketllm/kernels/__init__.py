@@ -21,6 +21,7 @@ from .embedding import Embedding
 from .gated_delta_decode import GatedDeltaDecode
 from .gated_delta_prefill import GatedDeltaPrefill
 from .linear import Linear
+from .logprobs import Logprobs
 from .prefill_attention import PrefillAttention
 from .registry import IMPLEMENTATIONS, OP_NAMES, ImplSpec, check_overrides, register, resolve
 from .rms_norm import RmsNorm
@@ -51,6 +52,7 @@ class Ops:
     linear: Linear  # decode rows and the lm_head
     prefill_linear: Linear  # the token rows of a prefill (may tile rows differently, never per batch)
     sample: Sample
+    logprobs: Logprobs  # what a prompt position scores, and a token's top-k alternatives
     # Gated DeltaNet layers (Qwen3.5)
     conv1d_prefill: Conv1dPrefill
     conv1d_decode: Conv1dDecode
@@ -65,23 +67,24 @@ if {f.name for f in fields(Ops)} != set(OP_NAMES):
                       f"unregistered {sorted({f.name for f in fields(Ops)} - set(OP_NAMES))}")
 
 
-def backend_impls(backend: str, batch_invariant: bool = True, decode_per_row: bool = False) -> dict[str, str]:
+def backend_impls(backend: str, batch_invariant: bool = True, decode_per_row: bool = False,
+                  exact_positions: bool = True) -> dict[str, str]:
     """op -> implementation name for `backend` (see each backend's record in `backends.py`; the
     flags are the `backend_options` of the same names, read by the backends that list them)."""
-    return get_backend(backend).select(IMPLEMENTATIONS, batch_invariant, decode_per_row)
+    return get_backend(backend).select(IMPLEMENTATIONS, batch_invariant, decode_per_row, exact_positions)
 
 
 def get_ops(backend: str, batch_invariant: bool = True, decode_per_row: bool = False,
-            overrides: Mapping[str, ImplSpec] | None = None) -> Ops:
+            overrides: Mapping[str, ImplSpec] | None = None, exact_positions: bool = True) -> Ops:
     """The op table of `backend` (a name in `BACKENDS`), with each op in `overrides` replaced (a
     registered name, "module:function" or a callable)."""
     table: dict[str, Callable[..., Any]] = {op: IMPLEMENTATIONS[op][name]
-                                            for op, name in backend_impls(backend, batch_invariant,
-                                                                          decode_per_row).items()}
+                                            for op, name in backend_impls(backend, batch_invariant, decode_per_row,
+                                                                          exact_positions).items()}
     table.update(check_overrides(overrides or {}))
     return Ops(**table)
 
 
-def torch_ops(batch_invariant: bool = True, decode_per_row: bool = False) -> Ops:
+def torch_ops(batch_invariant: bool = True, decode_per_row: bool = False, exact_positions: bool = True) -> Ops:
     """The torch backend's table (see `backend_impls`)."""
-    return get_ops("torch", batch_invariant, decode_per_row)
+    return get_ops("torch", batch_invariant, decode_per_row, exact_positions=exact_positions)

@@ -17,38 +17,46 @@ Implementations = Mapping[str, Mapping[str, Callable[..., Any]]]
 
 @dataclass(frozen=True)
 class Backend:
-    """`select(implementations, batch_invariant, decode_per_row)` -> op -> implementation name."""
+    """`select(implementations, batch_invariant, decode_per_row, exact_positions)` -> op -> implementation name."""
 
     name: str
-    select: Callable[[Implementations, bool, bool], dict[str, str]]
+    select: Callable[[Implementations, bool, bool, bool], dict[str, str]]
     invariant_by_construction: bool
     options: tuple[str, ...]  # the backend_options whose values change what it runs
 
 
-def _torch(implementations: Implementations, batch_invariant: bool, decode_per_row: bool) -> dict[str, str]:
+def _torch(implementations: Implementations, batch_invariant: bool, decode_per_row: bool,
+           exact_positions: bool) -> dict[str, str]:
     """The references, except attention through torch's fused attention and the linear layers in
     fixed row tiles (`linear.py`): 4-row tiles for decode rows, or one row per call with
-    `decode_per_row`; 64-row tiles for prefill rows. `batch_invariant=False` makes the linear
-    layers one plain GEMM call per batch (a negative control for the invariance tests, and a
-    speed baseline)."""
+    `decode_per_row`; prefill rows in 64-row tiles, or, with `exact_positions`, in the decode rows'
+    4-row tiles and their attention one row per call as a decode step computes it, so a position
+    gets the same bits decoded or prefilled. `batch_invariant=False` makes the linear layers one
+    plain GEMM call per batch (a negative control for the invariance tests, and a speed baseline)."""
     impls = dict.fromkeys(implementations, "ref")
-    impls.update(prefill_attention="fused", decode_attention="fused")
+    impls.update(prefill_attention="per_row" if exact_positions else "fused", decode_attention="fused")
     if batch_invariant:
-        impls.update(linear="per_row" if decode_per_row else "row_invariant", prefill_linear="row_invariant")
+        impls.update(linear="per_row" if decode_per_row else "row_invariant",
+                     prefill_linear="decode_tiles" if exact_positions else "row_invariant")
     return impls
 
 
-def _triton(implementations: Implementations, batch_invariant: bool, decode_per_row: bool) -> dict[str, str]:
+def _triton(implementations: Implementations, batch_invariant: bool, decode_per_row: bool,
+            exact_positions: bool) -> dict[str, str]:
     """Every op with a Triton kernel uses it (compiled on CUDA, interpreted on CPU); the others (the
-    embedding: a gather, no arithmetic) their reference. Invariant by construction: the flags do
-    not apply."""
-    return {op: "triton" if "triton" in names else "ref" for op, names in implementations.items()}
+    embedding: a gather, no arithmetic) their reference. Invariant by construction: the first two
+    flags do not apply. Without `exact_positions`, decode attention is the split-KV kernel (more
+    parallel on long contexts; a decoded position then rounds differently from a prefilled one)."""
+    impls = {op: "triton" if "triton" in names else "ref" for op, names in implementations.items()}
+    if not exact_positions:
+        impls["decode_attention"] = "split_kv"
+    return impls
 
 
 BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
     Backend("torch", _torch, invariant_by_construction=False,
-            options=("batch_invariant", "invariance_probe", "decode_per_row")),
-    Backend("triton", _triton, invariant_by_construction=True, options=()),
+            options=("batch_invariant", "invariance_probe", "decode_per_row", "exact_positions")),
+    Backend("triton", _triton, invariant_by_construction=True, options=("exact_positions",)),
 )}
 
 DEFAULT_BACKEND = "torch"  # runs anywhere; the fast path on CPU

@@ -4,8 +4,11 @@ attending to the slot's keys [0, seq_len).
 - `decode_attention_ref`: the reference, one sequence at a time, fp32 scores.
 - `decode_attention_fused`: the same through torch's fused attention, one call per sequence
   (what the torch backend runs).
-- `decode_attention_triton`: split-KV Triton kernels with fixed-size splits, batch invariant by
-  construction.
+- `decode_attention_triton`: the new row through the prefill kernel, so a position's bits are
+  the same decoded or prefilled (the triton backend's op with `exact_positions`, the default).
+- `decode_attention_split_kv`: split-KV Triton kernels with fixed-size splits, batch invariant by
+  construction but rounding differently from a prefill (the triton backend's op without
+  `exact_positions`: more parallel on long contexts).
 """
 
 from typing import Protocol
@@ -26,6 +29,7 @@ from ._attention import (
 from ._cases import HEADS, attention_shared, decode_grid, kv_slot, randn
 from ._triton import kernel_device_ok, tl, triton
 from .checks import check_shape
+from .prefill_attention import prefill_attention_triton
 from .spec import Call, Cost, Layout, OpSpec, Step, size
 
 
@@ -130,8 +134,21 @@ def _decode_merge_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, len_ptr, out_ptr,
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            slot_ids: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                            split_size: int = DECODE_SPLIT_SIZE) -> torch.Tensor:
+                            slot_ids: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Each sequence's new row as a one-row prefill piece at position seq_len - 1
+    (`prefill_attention_triton`): the row sits at its absolute place in its query tile and walks the
+    same key blocks with the same online softmax as inside any prefill piece, so it gets the bits a
+    prefill (or a scoring pass) gives that position. One program per (sequence, head) walks all of
+    its keys: no split-KV parallelism (see `decode_attention_split_kv`)."""
+    check_shape("slot_ids", slot_ids, (q.shape[0],))
+    check_shape("seq_lens", seq_lens, (q.shape[0],))
+    rows = torch.arange(q.shape[0] + 1, dtype=torch.int64, device=q.device)
+    return prefill_attention_triton(q, k_cache, v_cache, slot_ids, seq_lens - 1, rows, scale)
+
+
+def decode_attention_split_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              slot_ids: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                              split_size: int = DECODE_SPLIT_SIZE) -> torch.Tensor:
     """Split-KV decode attention, same semantics as `decode_attention_ref`.
 
     Batch invariant by construction: a split is a fixed number of keys (`split_size`) at fixed
@@ -191,7 +208,8 @@ def _cost(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_id
 
 
 OP = OpSpec("decode_attention", DecodeAttention,
-            {"ref": decode_attention_ref, "fused": decode_attention_fused, "triton": decode_attention_triton},
+            {"ref": decode_attention_ref, "fused": decode_attention_fused, "triton": decode_attention_triton,
+             "split_kv": decode_attention_split_kv},
             order=40, cases=Layout(
                 lambda gen, n, dims, dtype: {"q": randn(gen, n, dims["heads"], dims["head_dim"], dtype=dtype)},
                 kv_slot, attention_shared,

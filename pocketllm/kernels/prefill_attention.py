@@ -55,6 +55,22 @@ def prefill_attention_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return _prefill_per_sequence(_sdpa_one, q, k_cache, v_cache, slot_ids, start_positions, cu_seqlens, scale)
 
 
+def prefill_attention_per_row(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              slot_ids: torch.Tensor, start_positions: torch.Tensor,
+                              cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Every row as the torch backend decodes it (`decode_attention_fused`: torch's fused attention
+    on one query row over keys 0 .. its position), so a position's bits are the same decoded, in a
+    prefill piece of any length or cut, or scored: the torch backend's op with `exact_positions`.
+    One call per row instead of one per sequence (what that costs: the README's measured tables)."""
+    return _prefill_per_sequence(_sdpa_rows, q, k_cache, v_cache, slot_ids, start_positions, cu_seqlens, scale)
+
+
+def _sdpa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """`_sdpa_one` on each row alone, row i over keys 0 .. start + i, as a decode step calls it."""
+    return torch.cat([_sdpa_one(q[i:i + 1], k[:start + i + 1], v[:start + i + 1], start + i, scale)
+                      for i in range(q.shape[0])])
+
+
 PREFILL_BLOCK_M = 64  # query rows per prefill tile
 
 # BLOCK_D -> (BLOCK_N keys per block, num_warps), num_stages 2 throughout: fixed per head dim, never
@@ -191,7 +207,8 @@ def _cost(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_id
 
 
 OP = OpSpec("prefill_attention", PrefillAttention,
-            {"ref": prefill_attention_ref, "fused": prefill_attention_fused, "triton": prefill_attention_triton},
+            {"ref": prefill_attention_ref, "fused": prefill_attention_fused, "per_row": prefill_attention_per_row,
+             "triton": prefill_attention_triton},
             order=30, cases=Layout(
                 lambda gen, n, dims, dtype: {"q": randn(gen, n, dims["heads"], dims["head_dim"], dtype=dtype)},
                 kv_slot, attention_shared,

@@ -8,7 +8,7 @@ Triton kernel is the same as `linear`'s. The signature is `linear.Linear`.
 import torch
 
 from . import linear
-from .linear import PREFILL_ROW_TILE, Linear, linear_ref, linear_row_invariant, linear_triton
+from .linear import DECODE_ROW_TILE, PREFILL_ROW_TILE, Linear, linear_ref, linear_row_invariant, linear_triton
 from .spec import Call, OpSpec, Step
 
 # The same product as `linear`'s reference and kernel: only the torch backend tiles prefill rows apart.
@@ -22,10 +22,18 @@ def prefill_linear_row_invariant(x: torch.Tensor, weight: torch.Tensor,
     return linear_row_invariant(x, weight, bias, PREFILL_ROW_TILE)
 
 
+def prefill_linear_decode_tiles(x: torch.Tensor, weight: torch.Tensor,
+                                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear_row_invariant in the decode rows' DECODE_ROW_TILE-row tiles: a prefilled row gets the
+    bits of the same row decoded (the torch backend's op with `exact_positions`)."""
+    return linear_row_invariant(x, weight, bias, DECODE_ROW_TILE)
+
+
 def _launches(step: Step) -> list[Call]:
     return [] if step.batch.is_decode else linear.body_calls(step)
 
 
 OP = OpSpec("prefill_linear", Linear, {"ref": prefill_linear_ref, "row_invariant": prefill_linear_row_invariant,
-                                       "triton": prefill_linear_triton}, order=70, cases=linear.CASES,
+                                       "decode_tiles": prefill_linear_decode_tiles, "triton": prefill_linear_triton},
+            order=70, cases=linear.CASES,
             launches=_launches, cost=linear.cost)

@@ -322,7 +322,7 @@ def _launches(step: Step) -> list[Call]:
     def args() -> tuple[Any, ...]:
         logits = step.tensor(rows, step.cfg.vocab_size, dtype=torch.float32)  # the model's logits are fp32
         return (logits, full(0.8), full(50, torch.int64), full(0.9), torch.arange(rows, device=step.device),
-                step.batch.positions[step.batch.last_token_indices] + 1)
+                step.batch.positions[step.batch.logit_rows] + 1)
 
     return [Call(step.name, args)]
 

@@ -166,17 +166,20 @@ def capture() -> Iterator[list[tuple[Any, tuple[Any, ...], dict[str, Any]]]]:
 def capture_launches(ops: Sequence[str]) -> list[Launch]:
     """Every launch the op table's launchers of `ops` make at the models' steps (and, for attention,
     the sweep), in step order."""
-    table = get_ops("triton")
+    # The triton backend's ops with and without exact positions (they differ in decode attention).
+    tables = [get_ops("triton"), get_ops("triton", exact_positions=False)]
     launches = []
     for step in model_steps() + sweep_steps():
         for op in ops:
             if step.name.startswith("sweep") and op not in ATTENTION_OPS:
                 continue
+            launchers = {id(fn): fn for fn in (getattr(table, op) for table in tables)}.values()
             for call in op_calls(op, step):
                 args = call.args()
-                with capture() as recorded:
-                    getattr(table, op)(*args)
-                launches += [Launch(op, call.label, kernel, args, kwargs) for kernel, args, kwargs in recorded]
+                for launcher in launchers:
+                    with capture() as recorded:
+                        launcher(*args)
+                    launches += [Launch(op, call.label, kernel, args, kwargs) for kernel, args, kwargs in recorded]
     return launches
 
 

@@ -34,8 +34,9 @@ class ForwardBatch:
     """New tokens of B sequences, concatenated: the first `num_decode` are decode sequences (one
     token each), the rest prefill pieces (the varlen path). Sequence i owns tokens
     cu_seqlens[i]:cu_seqlens[i+1], lives in cache slot slot_ids[i] and has start_positions[i]
-    tokens cached before this step. Logits are returned for the rows in `last_token_indices`: the
-    last token of each sequence that samples (a prefill piece that ends inside its prompt does not).
+    tokens cached before this step. Logits are returned for the rows in `logit_rows`, sequence by
+    sequence: the first `scored` rows of a sequence that scores its tokens (prompt logprobs), then
+    its last row if it samples (a prefill piece that ends inside its prompt does not).
     """
 
     input_ids: torch.Tensor  # [T] int64
@@ -44,7 +45,7 @@ class ForwardBatch:
     slot_ids: torch.Tensor  # [B] int64
     start_positions: torch.Tensor  # [B] int64
     cu_seqlens: torch.Tensor  # [B + 1] int64
-    last_token_indices: torch.Tensor  # [S] int64, one row per sampled sequence, in sequence order
+    logit_rows: torch.Tensor  # [L] int64, the rows whose logits the model returns, in sequence order
     num_decode: int
     decode: DecodeRows | None  # None when the batch has no decode sequence
     prefill: PrefillRows | None  # None when the batch has no prefill piece
@@ -56,9 +57,11 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], new_tokens: list[list[int]], is_decode: bool | list[bool],
-              device: torch.device | str, sampled: list[bool] | None = None) -> ForwardBatch:
+              device: torch.device | str, sampled: list[bool] | None = None,
+              scored: list[int] | None = None) -> ForwardBatch:
         """`is_decode`: one flag for the whole batch or one per sequence (decode sequences first,
-        one token each). `sampled`: which sequences need logits (default: all)."""
+        one token each). `sampled`: which sequences need their last row's logits (default: all);
+        `scored`: how many of its first rows each sequence scores (default: none)."""
         kinds = [is_decode] * len(slots) if isinstance(is_decode, bool) else list(is_decode)
         num_decode = sum(kinds)
         if kinds != [True] * num_decode + [False] * (len(kinds) - num_decode):
@@ -88,8 +91,19 @@ class ForwardBatch:
             slot_ids=slot_ids,
             start_positions=start_positions,
             cu_seqlens=cu_seqlens,
-            last_token_indices=tensor([c - 1 for c, s in zip(cu[1:], sampled) if s]),
+            logit_rows=tensor(logit_rows(cu, sampled, scored or [0] * len(slots))),
             num_decode=num_decode,
             decode=decode,
             prefill=prefill,
         )
+
+
+def logit_rows(cu_seqlens: list[int], sampled: list[bool], scored: list[int]) -> list[int]:
+    """Per sequence, its first `scored` rows, then its last row when it samples and that row is
+    not among them."""
+    rows: list[int] = []
+    for start, end, samples, count in zip(cu_seqlens, cu_seqlens[1:], sampled, scored):
+        rows += range(start, start + count)
+        if samples and count < end - start:
+            rows.append(end - 1)
+    return rows

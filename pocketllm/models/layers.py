@@ -307,14 +307,14 @@ class DecoderModel:
         return [block.mixer.cache_spec for block in self.blocks]
 
     def forward(self, batch: ForwardBatch, cache: SlotCache) -> torch.Tensor:
-        """-> fp32 logits [S, vocab], one row per sampled sequence (`batch.last_token_indices`)."""
+        """-> fp32 logits [L, vocab], one row per entry of `batch.logit_rows`."""
         ops, eps = self.ops, self.cfg.rms_norm_eps
-        # Token rows go through their kind's linear (body_ops); the lm_head sees one row per sampled sequence.
+        # Token rows go through their kind's linear (body_ops); the lm_head sees only the rows whose logits are wanted.
         rows_ops = body_ops(ops, batch)
         hidden = ops.embedding(batch.input_ids, self.embed)
         for index, block in enumerate(self.blocks):
             hidden = block.forward(rows_ops, hidden, batch, cache, index, eps)
-        if batch.last_token_indices.numel() == 0:  # only prefill pieces that end inside their prompts
+        if batch.logit_rows.numel() == 0:  # only prefill pieces that end inside their prompts, unscored
             return hidden.new_empty(0, self.lm_head.shape[0], dtype=torch.float32)
-        last = hidden.index_select(0, batch.last_token_indices)
+        last = hidden.index_select(0, batch.logit_rows)
         return ops.linear(ops.rms_norm(last, self.final_norm, eps), self.lm_head).float()

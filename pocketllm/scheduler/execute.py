@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..runner import ModelRunner, SequenceInput
+from ..runner import ModelRunner, SequenceInput, SequenceOutput
 from .request import Request
 from .slots import SlotManager
 from .timeline import SlotEvent
@@ -22,9 +22,8 @@ from .timeline import SlotEvent
 logger = logging.getLogger("pocketllm.scheduler.batch_scheduler")
 
 Work = list[tuple[Request, SequenceInput]]
-# (token, logprob) sampled for a request whose forward succeeded (None: a piece inside its prompt),
-# else the exception that ended it.
-Outcome = tuple[int, float] | None | BaseException
+# What the forward gave a request whose forward succeeded, else the exception that ended it.
+Outcome = SequenceOutput | BaseException
 
 
 @dataclass(frozen=True)

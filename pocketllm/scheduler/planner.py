@@ -80,7 +80,7 @@ class Planner:
                 return False
             self.slots.swap_in(request)
         else:
-            placement = self.slots.place(request.prompt_tokens)
+            placement = self.slots.place(request.prompt_tokens, reuse=not request.scores_prompt)
             if self.policy.piece_len(placement.reused, len(request.prompt_tokens)) > budget:
                 return False
             self.slots.admit(request, placement)
@@ -137,7 +137,7 @@ class Planner:
                 request.finish("error", f"{type(outcome).__name__}: {outcome}")
                 continue
             request.advance(seq, outcome)
-            if outcome is not None:
+            if outcome.sampled is not None:
                 sampled.append(request)
             if not seq.decode:
                 self.slots.prefilled(request)

@@ -14,7 +14,7 @@ import torch
 
 from ..cache import SwappedSlot
 from ..outputs import FinishReason, GenerationResult
-from ..runner import SequenceInput
+from ..runner import SequenceInput, SequenceOutput, TokenLogprob
 from ..sampling import SamplingParams
 from .policy import PrefillPolicy
 
@@ -121,6 +121,8 @@ class Request:
     in_flight: SequenceInput | None = None  # its input to the forward in progress
     subscriber: Subscriber | None = None  # who is told of its tokens and its result
     text: str | None = None  # its tokens decoded, once it has ended (when the engine detokenizes)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # per generated token
+    prompt_scores: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (prompt_logprobs)
 
     @property
     def order(self) -> tuple[int, int]:
@@ -151,11 +153,18 @@ class Request:
         assert self.slot is not None, f"request {self.request_id} holds no slot"
         return self.slot
 
+    @property
+    def scores_prompt(self) -> bool:
+        return self.params.prompt_logprobs is not None
+
     def prefill_input(self, policy: PrefillPolicy) -> SequenceInput:
-        """The next piece of the prompt, cut where `policy` says; it samples if it ends the prompt."""
-        end = policy.piece_end(self.num_prefilled, len(self.prompt_tokens))
-        return SequenceInput(self.assigned_slot, self.num_prefilled, self.prompt_tokens[self.num_prefilled:end],
-                             self.params, self.seed, decode=False, sample=end == len(self.prompt_tokens))
+        """The next piece of the prompt, cut where `policy` says; it samples if it ends the prompt,
+        and a scoring request's piece scores each of its rows against the prompt token after it."""
+        start, prompt = self.num_prefilled, self.prompt_tokens
+        end = policy.piece_end(start, len(prompt))
+        targets = prompt[start + 1:end + 1] if self.scores_prompt else []
+        return SequenceInput(self.assigned_slot, start, prompt[start:end], self.params, self.seed, decode=False,
+                             sample=end == len(prompt), targets=targets)
 
     def next_input(self, policy: PrefillPolicy) -> SequenceInput:
         """The next piece of the prompt while it lasts, then a decode row."""
@@ -165,19 +174,23 @@ class Request:
         return SequenceInput(self.assigned_slot, self.num_cached, [self.token_ids[-1]], self.params, self.seed,
                              decode=True)
 
-    def advance(self, seq: SequenceInput, output: tuple[int, float] | None) -> None:
-        """Record a forward of `seq` that succeeded: the prompt advanced, a token was sampled, or both."""
+    def advance(self, seq: SequenceInput, output: SequenceOutput) -> None:
+        """Record a forward of `seq` that succeeded: the prompt advanced (its scores kept), a token
+        was sampled, or both."""
         if not seq.decode:
             self.num_prefilled = seq.start + len(seq.token_ids)
-        if output is not None:
-            self.append(*output)
+        self.prompt_scores += output.scores
+        if output.sampled is not None:
+            self.append(output.sampled)
 
-    def append(self, token: int, logprob: float) -> None:
+    def append(self, sampled: TokenLogprob) -> None:
         """Record a sampled token and finish the request if it stops or reaches max_tokens."""
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
+        token = sampled.token
         self.token_ids.append(token)
-        self.logprobs.append(logprob)
+        self.logprobs.append(sampled.logprob)
+        self.top_logprobs.append(sampled.top)
         params = self.params
         stops = params.stop_token_ids if params.ignore_eos else params.stop_token_ids + self.eos_token_ids
         if token in stops:
@@ -200,6 +213,7 @@ class Request:
         return (self.prompt_tokens + self.token_ids)[: self.num_cached]
 
     def result(self) -> GenerationResult:
+        params = self.params
         return GenerationResult(
             request_id=self.request_id,
             prompt_tokens=list(self.prompt_tokens),
@@ -211,4 +225,8 @@ class Request:
             ttft_s=None if self.first_token_time is None else self.first_token_time - self.submit_time,
             total_time_s=None if self.finish_time is None else self.finish_time - self.submit_time,
             text=self.text,
+            top_logprobs=None if params.logprobs is None else [list(top) for top in self.top_logprobs],
+            prompt_logprobs=None if not self.scores_prompt else [None] + [s.logprob for s in self.prompt_scores],
+            prompt_top_logprobs=None if not params.prompt_logprobs else
+            [None] + [list(s.top) for s in self.prompt_scores],
         )

@@ -63,10 +63,11 @@ class SlotManager:
 
     # -- taking and releasing slots ----------------------------------------------------------
 
-    def place(self, prompt: Sequence[int]) -> Placement:
-        """The best free slot for `prompt`, and the prefix it can reuse. A free slot must exist."""
+    def place(self, prompt: Sequence[int], reuse: bool = True) -> Placement:
+        """The best free slot for `prompt`, and the prefix it can reuse (none without `reuse`). A
+        free slot must exist."""
         free = self.cache.free_slots  # least recently used first
-        limit = self.policy.reusable(len(prompt), len(prompt))
+        limit = self.policy.reusable(len(prompt), len(prompt)) if reuse else 0
         matches = self.index.match(prompt, limit) if limit else {}
         # Longest prefix; at equal length a free slot (no copy), then the least recently used.
         rank = {slot: i for i, slot in enumerate(free)}

@@ -25,8 +25,8 @@ workloads = workloads_of(VOCAB)
 # (checkpoint variant, backend options): both decode strategies of the torch backend's linear layers.
 ENGINE_VARIANTS = {"tiny": ("tiny", {}), "untied_gqa4_bias": ("untied_gqa4_bias", {}), "qwen3.5": ("qwen3.5", {}),
                    "qwen3.5_mm_untied": ("qwen3.5_mm_untied", {}),
-                   "tiny_per_row": ("tiny", {"decode_per_row": True}),
-                   "qwen3.5_per_row": ("qwen3.5", {"decode_per_row": True})}
+                   "tiny_per_row": ("tiny", {"decode_per_row": True, "exact_positions": False}),
+                   "qwen3.5_per_row": ("qwen3.5", {"decode_per_row": True, "exact_positions": False})}
 
 
 @pytest.fixture(scope="module", params=variant_params(ENGINE_VARIANTS, {"untied_gqa4_bias", "qwen3.5_mm_untied",
@@ -114,9 +114,10 @@ def test_batched_equals_serial_at_realistic_width(tmp_path, preset, per_row):
     params = [SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 0.9]), top_k=rng.choice([0, 50]),
                              top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(2**64), ignore_eos=True)
               for _ in prompts]
-    serial = LLM(EngineArgs(model=str(path), max_seq_len=192, backend_options={"decode_per_row": per_row})).generate(
+    strategy = {"decode_per_row": per_row, "exact_positions": not per_row}
+    serial = LLM(EngineArgs(model=str(path), max_seq_len=192, backend_options=strategy)).generate(
         prompt_tokens=prompts, sampling_params=params)
-    options = {"enable_batching": True, "max_batch_size": 4, "background_thread": False, "decode_per_row": per_row}
+    options = {"enable_batching": True, "max_batch_size": 4, "background_thread": False, **strategy}
     with LLM(EngineArgs(model=str(path), max_seq_len=192, backend_options=options)) as llm:
         batched = llm.generate(prompt_tokens=prompts, sampling_params=params)
     for s, b in zip(serial, batched):

@@ -27,7 +27,7 @@ VOCAB = 256  # the tiny presets
 MAX_SEQ_LEN = 224  # prompts up to 200 tokens, 12 new ones
 
 # Qwen3 and Qwen3.5 (attention-only and hybrid), on both decode strategies of the torch backend.
-VARIANTS = {"tiny": ("tiny", {}), "qwen3.5": ("qwen3.5", {}), "tiny_per_row": ("tiny", {"decode_per_row": True}),
+VARIANTS = {"tiny": ("tiny", {}), "qwen3.5": ("qwen3.5", {}), "tiny_per_row": ("tiny", {"decode_per_row": True, "exact_positions": False}),
             "qwen3.5_mm_untied": ("qwen3.5_mm_untied", {})}
 
 

@@ -6,9 +6,11 @@ seq_len - 1, over the K/V of its slot.
 - the torch backend's fused attention against the reference, and its batch and slot invariance:
   a sequence alone, among others and copied into another slot gives its bits in the batch; the
   cache past a sequence never read;
-- the kernel under test (by default the Triton split-KV one) against the reference, lengths over
-  one and several splits, never reading past a sequence's end (NaN there), and its batch and slot
-  invariance, bitwise.
+- the kernel under test (by default the Triton one, which runs the prefill kernel on one row) and
+  the split-KV kernel against the reference, lengths over one and several splits, never reading
+  past a sequence's end (NaN there), and their batch and slot invariance, bitwise;
+- the kernel under test gives a position the bits the prefill kernel gives it (exact positions),
+  which the split-KV kernel does not promise.
 CPU runs use the Triton interpreter (fp32, fp16; tiny head counts); the `gpu` test repeats the
 comparison in bf16 at realistic sizes.
 """
@@ -33,11 +35,13 @@ from pocketllm.kernels.decode_attention import (
     DECODE_BLOCK_N,
     decode_attention_fused,
     decode_attention_ref,
-    decode_attention_triton,
+    decode_attention_split_kv,
 )
 from pocketllm.kernels.prefill_attention import prefill_attention_ref
 
 decode_attention_impl = implementation("decode_attention")
+prefill_attention_impl = implementation("prefill_attention")
+KERNELS = ["under_test", "split_kv"]
 
 SEQ_LENGTHS = (1, 2, 17, 63, 65)
 
@@ -129,48 +133,52 @@ def _decode_case(lengths, num_heads, num_kv_heads, head_dim, dtype, seed=0, devi
     return q, k_cache, v_cache, torch.tensor(slots, **as_long), torch.tensor(lengths, **as_long)
 
 
-def _decode(q, k_cache, v_cache, slot_ids, seq_lens, scale, split_size):
-    """The decode implementation under test. `split_size` is an option of the Triton launcher (small
-    splits make short sequences span several): it is passed only when that launcher is under test."""
-    if decode_attention_impl is decode_attention_triton:
-        return decode_attention_triton(q, k_cache, v_cache, slot_ids, seq_lens, scale, split_size=split_size)
+def _decode(kernel, q, k_cache, v_cache, slot_ids, seq_lens, scale, split_size):
+    """The kernel under test, or the split-KV kernel with `split_size` (small splits make short
+    sequences span several)."""
+    if kernel == "split_kv":
+        return decode_attention_split_kv(q, k_cache, v_cache, slot_ids, seq_lens, scale, split_size=split_size)
     return decode_attention_impl(q, k_cache, v_cache, slot_ids, seq_lens, scale)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", KERNEL_HEAD_CONFIGS)
-def test_decode_matches_reference(dtype, num_heads, num_kv_heads, head_dim):
+def test_decode_matches_reference(kernel, dtype, num_heads, num_kv_heads, head_dim):
     """Lengths 1..130 in one call, split_size 64 (up to 3 splits merged), never reading past a
     sequence's end (NaN there), agree with decode_attention_ref."""
     q, k, v, slots, lens = _decode_case(LENGTHS, num_heads, num_kv_heads, head_dim, dtype)
     scale = head_dim ** -0.5
-    out = _decode(q, k, v, slots, lens, scale, split_size=64)
+    out = _decode(kernel, q, k, v, slots, lens, scale, split_size=64)
     assert out.dtype == dtype and out.shape == q.shape
     assert_close(out, decode_attention_ref(q, k, v, slots, lens, scale))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_default_split_size_matches_reference(dtype):
+def test_decode_default_split_size_matches_reference(kernel, dtype):
     """The default split size (256), with sequences of one split, exactly one and several splits."""
     q, k, v, slots, lens = _decode_case((1, 255, 256, 257, 600), 2, 1, 32, dtype, seed=3)
-    assert_close(decode_attention_impl(q, k, v, slots, lens, 0.2), decode_attention_ref(q, k, v, slots, lens, 0.2))
+    assert_close(_decode(kernel, q, k, v, slots, lens, 0.2, split_size=256),
+                 decode_attention_ref(q, k, v, slots, lens, 0.2))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_is_batch_and_slot_invariant(dtype):
+def test_decode_is_batch_and_slot_invariant(kernel, dtype):
     """A sequence decoded alone, in any slot, gives bitwise its output inside a batch of sequences
     with very different lengths (so different split counts and grid sizes)."""
     lengths = LENGTHS + (300,)
     q, k, v, slots, lens = _decode_case(lengths, 4, 2, 24, dtype, seed=5)
-    batched = _decode(q, k, v, slots, lens, 0.3, split_size=64)
+    batched = _decode(kernel, q, k, v, slots, lens, 0.3, split_size=64)
     spare = len(lengths) + 1  # a slot no sequence of the batch uses
     k_moved, v_moved = torch.cat([k, torch.zeros_like(k[:1])]), torch.cat([v, torch.zeros_like(v[:1])])
     for i in range(len(lengths)):
-        alone = _decode(q[i:i + 1], k, v, slots[i:i + 1], lens[i:i + 1], 0.3, split_size=64)
+        alone = _decode(kernel, q[i:i + 1], k, v, slots[i:i + 1], lens[i:i + 1], 0.3, split_size=64)
         assert torch.equal(alone, batched[i:i + 1])
         k_moved[spare], v_moved[spare] = k[slots[i]], v[slots[i]]
-        moved = _decode(q[i:i + 1], k_moved, v_moved, torch.tensor([spare], device=DEVICE), lens[i:i + 1], 0.3,
-                        split_size=64)
+        moved = _decode(kernel, q[i:i + 1], k_moved, v_moved, torch.tensor([spare], device=DEVICE), lens[i:i + 1],
+                        0.3, split_size=64)
         assert torch.equal(moved, alone)
 
 
@@ -178,7 +186,27 @@ def test_decode_rejects_split_size_not_multiple_of_block():
     """A split must be whole key blocks, so that block starts are multiples of BLOCK_N."""
     q, k, v, slots, lens = _decode_case((5,), 2, 1, 16, torch.float32)
     with pytest.raises(ValueError, match="multiple"):
-        decode_attention_triton(q, k, v, slots, lens, 0.3, split_size=DECODE_BLOCK_N + 1)
+        decode_attention_split_kv(q, k, v, slots, lens, 0.3, split_size=DECODE_BLOCK_N + 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_decoded_position_has_the_bits_of_the_same_position_prefilled(dtype):
+    """Decoding position p (lengths 1..130, several in one call) gives bitwise the row p of the prefill
+    kernel run on the whole sequence and on a piece cut just before p: what makes a generated token's
+    logprob equal the logprob of scoring the same sequence."""
+    lengths = (1, 2, 17, 64, 65, 130)
+    q, k, v, slots, lens = _decode_case(lengths, 4, 2, 24, dtype, seed=9)
+    decoded = decode_attention_impl(q, k, v, slots, lens, 0.3)
+    for i, length in enumerate(lengths):
+        piece = torch.randn(length, 4, 24, generator=torch.Generator().manual_seed(i)).to(device=DEVICE, dtype=dtype)
+        piece[-1] = q[i]
+        one = torch.tensor([0, length], device=DEVICE)
+        whole = prefill_attention_impl(piece, k, v, slots[i:i + 1], torch.tensor([0], device=DEVICE), one, 0.3)
+        assert torch.equal(whole[-1], decoded[i]), f"length {length}: the whole-prompt row differs"
+        cut = max(length - 3, 0)
+        tail = prefill_attention_impl(piece[cut:], k, v, slots[i:i + 1], torch.tensor([cut], device=DEVICE),
+                                      torch.tensor([0, length - cut], device=DEVICE), 0.3)
+        assert torch.equal(tail[-1], decoded[i]), f"length {length}: the row of a piece from {cut} differs"
 
 
 # -- GPU, bf16, realistic sizes ----------------------------------------------------------------
@@ -187,15 +215,15 @@ def test_decode_rejects_split_size_not_multiple_of_block():
 GPU_DECODE_LENGTHS = (4096, 1, 17, 300, 1000, 2049, 3333, 4095)
 
 
-@pytest.mark.parametrize("split_size", [64, 256])
+@pytest.mark.parametrize("kernel,split_size", [("under_test", 256), ("split_kv", 64), ("split_kv", 256)])
 @pytest.mark.gpu
-def test_gpu_decode_matches_reference_and_is_batch_invariant(split_size):
+def test_gpu_decode_matches_reference_and_is_batch_invariant(kernel, split_size):
     """bf16, B=8, context up to 4096, Hq=32, Hkv=8, D=128: matches the reference, and each
     sequence alone equals its output in the batch bitwise."""
     q, k, v, slots, lens = _decode_case(GPU_DECODE_LENGTHS, dtype=torch.bfloat16, device="cuda", **GPU_HEADS)
     scale = 128 ** -0.5
-    out = _decode(q, k, v, slots, lens, scale, split_size=split_size)
+    out = _decode(kernel, q, k, v, slots, lens, scale, split_size=split_size)
     assert_close(out, decode_attention_ref(q, k, v, slots, lens, scale))
     for i in range(len(GPU_DECODE_LENGTHS)):
-        alone = _decode(q[i:i + 1], k, v, slots[i:i + 1], lens[i:i + 1], scale, split_size=split_size)
+        alone = _decode(kernel, q[i:i + 1], k, v, slots[i:i + 1], lens[i:i + 1], scale, split_size=split_size)
         assert torch.equal(alone, out[i:i + 1])

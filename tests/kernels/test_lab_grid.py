@@ -18,7 +18,9 @@ from pocketllm.lab.cases import op_cases
 from pocketllm.lab.check import check_kernel, default_dtypes
 
 # (op, implementation) pairs the engine runs when it promises invariance, plus the one under test.
-INVARIANT = {(op, name) for backend, flags in (("torch", (True, False)), ("torch", (True, True)), ("triton", ()))
+INVARIANT = {(op, name) for backend, flags in (("torch", (True, False, True)), ("torch", (True, True, False)),
+                                              ("torch", (True, False, False)), ("triton", (True, False, True)),
+                                              ("triton", (True, False, False)))
              for op, name in backend_impls(backend, *flags).items()} | {(op, UNDER_TEST) for op in OP_NAMES}
 PAIRS = [(op, name) for op in OP_NAMES for name in IMPLEMENTATIONS[op]]
 # Batch invariant by construction (one call per sequence) but not split invariant by construction:

@@ -17,7 +17,7 @@ def test_build_flattens_sequences_in_order():
         "slot_ids": [2, 0, 5],
         "start_positions": [0, 5, 64],
         "cu_seqlens": [0, 3, 4, 6],
-        "last_token_indices": [2, 3, 5],
+        "logit_rows": [2, 3, 5],
     }
     for name, values in expected.items():
         tensor = getattr(batch, name)
@@ -31,7 +31,7 @@ def test_build_decode_rows():
     batch = ForwardBatch.build([1, 3], [7, 40], [[5], [6]], True, torch.device("cpu"))
     assert batch.is_decode is True
     assert batch.positions.tolist() == [7, 40] and batch.token_slots.tolist() == [1, 3]
-    assert batch.cu_seqlens.tolist() == [0, 1, 2] and batch.last_token_indices.tolist() == [0, 1]
+    assert batch.cu_seqlens.tolist() == [0, 1, 2] and batch.logit_rows.tolist() == [0, 1]
 
 
 def test_build_on_another_device_and_empty():
@@ -39,7 +39,7 @@ def test_build_on_another_device_and_empty():
     stay int64 even for an empty batch."""
     batch = ForwardBatch.build([0], [3], [[4, 5]], False, "meta")
     for name in ("input_ids", "positions", "token_slots", "slot_ids", "start_positions", "cu_seqlens",
-                 "last_token_indices"):
+                 "logit_rows"):
         assert getattr(batch, name).device.type == "meta", name
     empty = ForwardBatch.build([], [], [], True, "cpu")
     assert all(getattr(empty, name).dtype == torch.int64 for name in ("input_ids", "positions", "slot_ids"))

@@ -6,6 +6,7 @@ checked exactly."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -51,7 +52,8 @@ def _force_tokens(llm: LLM, monkeypatch, tokens, fail_after: int | None = None) 
         calls[0] += 1
         if fail_after is not None and calls[0] > fail_after:
             raise RuntimeError("planted forward failure")
-        return [None if out is None else (next(tokens), out[1]) for out in real(seqs)]
+        return [out if out.sampled is None else dataclasses.replace(
+                    out, sampled=dataclasses.replace(out.sampled, token=next(tokens))) for out in real(seqs)]
 
     monkeypatch.setattr(llm.runner, "run", run)
     return calls  # [forwards so far]

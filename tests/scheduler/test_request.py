@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pocketllm.outputs import GenerationResult
+from pocketllm.runner import SequenceOutput, TokenLogprob
 from pocketllm.sampling import SamplingParams
 from pocketllm.scheduler.policy import PrefillPolicy
 from pocketllm.scheduler.request import Request, RequestStatus, validate_prompt
@@ -29,11 +30,11 @@ def test_inputs_at_each_stage():
     prefill = request.prefill_input(PrefillPolicy())
     assert (prefill.slot, prefill.start, prefill.token_ids, prefill.seed) == (2, 0, [1, 2, 3], 5)
     assert prefill.params is request.params and prefill.sample and not prefill.decode
-    request.advance(prefill, (40, -1.5))
+    request.advance(prefill, SequenceOutput(TokenLogprob(40, -1.5)))
     assert request.num_cached == 3 and not request.prefilling
     decode = request.decode_input()
     assert (decode.slot, decode.start, decode.token_ids, decode.seed) == (2, 3, [40], 5)
-    request.append(41, -0.5)
+    request.append(TokenLogprob(41, -0.5))
     decode = request.decode_input()
     assert (decode.start, decode.token_ids) == (4, [41])
     assert request.num_cached == 4 and request.held_tokens() == [1, 2, 3, 40]
@@ -41,10 +42,10 @@ def test_inputs_at_each_stage():
 
 def test_length_finish_and_result():
     request = _request(max_tokens=2)
-    request.advance(request.prefill_input(PrefillPolicy()), (40, -1.5))
+    request.advance(request.prefill_input(PrefillPolicy()), SequenceOutput(TokenLogprob(40, -1.5)))
     assert not request.finished and request.first_token_time is not None
     first_time = request.first_token_time
-    request.append(41, -0.25)
+    request.append(TokenLogprob(41, -0.25))
     assert request.finished and request.status is RequestStatus.FINISHED
     assert request.finish_reason == "length" and request.error is None
     assert request.first_token_time == first_time and request.finish_time >= first_time
@@ -63,7 +64,7 @@ def test_length_finish_and_result():
 def test_stop_tokens_and_eos(token, ignore_eos, stops):
     """EOS ids stop a request unless ignore_eos; its own stop ids always do; the stop token is kept."""
     request = _request(max_tokens=5, stop=(33,), ignore_eos=ignore_eos)
-    request.append(token, -1.0)
+    request.append(TokenLogprob(token, -1.0))
     assert request.finished is stops
     assert request.finish_reason == ("stop" if stops else None)
     assert request.token_ids == [token]
@@ -80,7 +81,7 @@ def test_unfinished_result_has_no_times():
 
 def test_result_lists_are_copies():
     request = _request()
-    request.append(40, -1.0)
+    request.append(TokenLogprob(40, -1.0))
     result = request.result()
     result.token_ids.append(99)
     result.prompt_tokens.append(99)
@@ -128,7 +129,7 @@ def test_a_long_prompt_is_fed_in_pieces_cut_on_the_policy_grid():
     while request.prefilling:
         piece = request.prefill_input(policy)
         pieces.append((piece.start, len(piece.token_ids), piece.sample))
-        request.advance(piece, (7, -1.0) if piece.sample else None)
+        request.advance(piece, SequenceOutput(TokenLogprob(7, -1.0) if piece.sample else None))
     assert pieces == [(0, 128, False), (128, 64, False), (192, 64, False), (256, 44, True)]
     assert request.token_ids == [7] and request.num_cached == 300
     warm = Request(2, list(range(300)), params, seed=1)
