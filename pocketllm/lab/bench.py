@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..bench.report import cpu_name
-from ..cli import check_device
+from ..config import check_device
 from ..kernels._triton import HAS_TRITON, INTERPRETED, triton
 from ..kernels.registry import IMPLEMENTATIONS, ImplSpec, describe, resolve
 from ..kernels.spec import Call, Cost
@@ -281,7 +281,7 @@ def check(ops: Sequence[str], impl: ImplSpec, vs: Sequence[ImplSpec] | None, dev
     for op in ops:
         _implementations(op, impl, vs)
     if device is not None:
-        check_device(device)
+        check_device(device, "--device")
 
 
 def bench(ops: Sequence[str], impl: ImplSpec = "triton", vs: Sequence[ImplSpec] | None = None,

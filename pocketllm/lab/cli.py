@@ -7,8 +7,7 @@ from typing import Any
 
 import torch
 
-from ..cli import check_device
-from ..config import DTYPES
+from ..config import DTYPES, check_device
 from ..kernels.registry import IMPLEMENTATIONS, OP_NAMES
 from . import bench as lab_bench
 from . import compile as lab_compile
@@ -51,7 +50,7 @@ def _run_check(args: argparse.Namespace) -> int:
     impl = args.impl or ("triton" if "triton" in IMPLEMENTATIONS[args.op] else "ref")
     if args.examples < 0:
         raise ValueError(f"--examples must be >= 0, got {args.examples}")
-    check_device(args.device)
+    check_device(args.device, "--device")
     verdict = check(args.op, impl, args.vs, args.device, args.dtypes, args.examples, not args.no_parity)
     print(verdict.table())
     return 0 if verdict.ok else 1
