@@ -9,8 +9,8 @@ import torch
 
 from ..config import DTYPES, check_device
 from ..kernels.registry import IMPLEMENTATIONS, OP_NAMES
-from . import bench as lab_bench
 from . import compile as lab_compile
+from . import timing as lab_timing
 
 CHECK_DESCRIPTION = ("Check an implementation of an op: against the op's reference on its case grid, batch and "
                      "slot invariance, split invariance (prefill ops), the engine's invariance property with the "
@@ -61,5 +61,5 @@ def add_parser(subparsers: Any) -> None:
     lab = subparsers.add_parser("lab", help="kernel lab: check, bench and compile op implementations")
     sub = lab.add_subparsers(dest="lab_command", required=True, metavar="{check,bench,compile}")
     _add_check(sub)
-    lab_bench.add_parser(sub)
+    lab_timing.add_parser(sub)
     lab_compile.add_parser(sub)

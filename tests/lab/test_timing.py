@@ -1,4 +1,4 @@
-"""pocketllm.lab.bench and the roofline of launches.py: each formula on a shape worked out here by
+"""pocketllm.lab.timing and the roofline of launches.py: each formula on a shape worked out here by
 hand, the bench on CPU (quick shapes under the interpreter, real shapes for torch), its errors and
 its JSON."""
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from pocketllm.kernels._triton import INTERPRETED
-from pocketllm.lab.bench import (
+from pocketllm.lab.launches import REAL, call_cost, model_steps, op_calls
+from pocketllm.lab.timing import (
     DEVICE_PEAKS,
     BenchRow,
     _measure,
@@ -22,7 +23,6 @@ from pocketllm.lab.bench import (
     main,
     run,
 )
-from pocketllm.lab.launches import REAL, call_cost, model_steps, op_calls
 
 BF16, FP32, I64 = 2, 4, 8  # bytes an element
 
