@@ -1,7 +1,7 @@
 """Every op's Triton kernel against the op's other implementations, at the real-shape calls the
 models make (`pocketllm.lab.launches`, the shapes `lab compile` compiles), with each call's roofline.
 
-A thin script over `pocketllm.lab.bench` (`pocketllm lab bench OP --impl triton`), whose docstring
+A thin script over `pocketllm.lab.timing` (`pocketllm lab bench OP --impl triton`), whose docstring
 says how the rows are measured. On a CUDA device: bf16, triton.testing.do_bench, achieved GB/s and
 TFLOP/s against the device's peaks. `--smoke` runs the tiny presets' shapes in fp32 (on CPU under
 the Triton interpreter: a CI check that the benchmark's code paths work; its timings mean nothing).
@@ -16,8 +16,8 @@ import os
 import sys
 from pathlib import Path
 
-from pocketllm.lab.bench import bench
 from pocketllm.lab.launches import OPS
+from pocketllm.lab.timing import bench
 
 
 def main(argv: list[str] | None = None) -> int:

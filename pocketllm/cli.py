@@ -9,8 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn, cast
 
-import torch
-
 from .config import DTYPES, EngineArgs
 from .llm import LLM
 from .models import PRESETS, cached_checkpoint, write_checkpoint
@@ -227,23 +225,6 @@ def run_command(command: str, body: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         print(f"pocketllm {command}: interrupted", file=sys.stderr)
         return 130
-
-
-def check_device(device: str, option: str = "--device") -> None:
-    """ValueError naming `option` and what it takes unless this machine has `device`: a command
-    refuses a typo or a missing GPU before it builds anything, not with torch's traceback later."""
-    try:
-        parsed: torch.device | None = torch.device(device)
-    except RuntimeError:  # not a device string at all
-        parsed = None
-    if parsed is None or parsed.type not in ("cpu", "cuda"):
-        raise ValueError(f"{option} {device!r} is not cpu or cuda[:index]")
-    if parsed.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if not count:
-            raise ValueError(f"{option} {device!r}: torch finds no CUDA device here; use cpu")
-        if parsed.index is not None and parsed.index >= count:
-            raise ValueError(f"{option} {device!r}: the CUDA devices here are cuda:0..cuda:{count - 1}")
 
 
 def _one_line(text: str) -> str:

@@ -80,25 +80,28 @@ def _check_engine_fields(args: EngineArgs) -> None:
             raise ValueError(f"{name} must be one of {allowed}, got {_short(value)}")
     if isinstance(args.max_seq_len, bool) or not isinstance(args.max_seq_len, int) or args.max_seq_len < 2:
         raise ValueError(f"max_seq_len must be an int >= 2, got {_short(args.max_seq_len)}")
-    _check_device(args.device)
+    check_device(args.device)
 
 
-def _check_device(value: Any) -> None:
-    """A device this machine has: 'cpu', or 'cuda' / 'cuda:N' when torch sees that CUDA device."""
+def check_device(value: Any, name: str = "device") -> None:
+    """A device this machine has: 'cpu', or 'cuda' / 'cuda:N' when torch sees that CUDA device.
+    TypeError/ValueError naming `name` (a field, or a command's option such as "--device"), the value
+    and what it takes: a typo or a missing GPU is refused before anything is built."""
     if not isinstance(value, (str, torch.device)):
-        raise TypeError(f"device must be 'cpu' or 'cuda[:index]', got {type(value).__name__}")
+        raise TypeError(f"{name} must be 'cpu' or 'cuda[:index]', got {type(value).__name__}")
     try:
         device = torch.device(value)
     except (RuntimeError, ValueError):
-        raise ValueError(f"device must be 'cpu' or 'cuda[:index]', got {_short(value)}") from None
+        raise ValueError(f"{name} must be 'cpu' or 'cuda[:index]', got {_short(value)}") from None
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise ValueError(f"device {str(value)!r} is not available: torch finds no CUDA device here; use 'cpu'")
+            raise ValueError(f"{name} {str(value)!r} is not available: torch finds no CUDA device here; use 'cpu'")
         if device.index is not None and device.index >= count:
-            raise ValueError(f"device {str(value)!r} is not available: CUDA devices here are 0..{count - 1}")
+            raise ValueError(f"{name} {str(value)!r} is not available: the CUDA devices here are "
+                             f"cuda:0..cuda:{count - 1}")
     elif device.type != "cpu":
-        raise ValueError(f"device must be 'cpu' or 'cuda[:index]', got {str(value)!r}")
+        raise ValueError(f"{name} must be 'cpu' or 'cuda[:index]', got {str(value)!r}")
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..cli import OneLineParser, check_device, run_command
-from ..config import ModelConfig
+from ..cli import OneLineParser, run_command
+from ..config import ModelConfig, check_device
 from ..models import PRESETS, write_checkpoint
 from ..sampling import MAX_SEED
 from ..scheduler import SlotEvent
@@ -81,7 +81,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     files can be written into --out (created if missing)."""
     if not 0 <= args.seed <= MAX_SEED:
         raise ValueError(f"--seed must be an int in [0, 2**64 - 1], got {args.seed}")
-    check_device(args.device)
+    check_device(args.device, "--device")
     try:
         args.out.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=args.out).close()

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..machine import cpu_name
 from .baseline import static_efficiency
 from .workloads import Run, Workload, find, need
 
@@ -59,16 +60,6 @@ def machine_info() -> dict[str, Any]:
     return {"platform": platform.platform(), "processor": cpu_name(), "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "transformers": hf_version, "load_average_1min_at_start": load_average()}
-
-
-def cpu_name() -> str:
-    """The CPU model (platform.processor() is empty on most Linux systems)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def save_report(out: Path, stem: str, report: dict[str, Any], text: str) -> None:

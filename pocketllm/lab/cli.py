@@ -7,11 +7,10 @@ from typing import Any
 
 import torch
 
-from ..cli import check_device
-from ..config import DTYPES
+from ..config import DTYPES, check_device
 from ..kernels.registry import IMPLEMENTATIONS, OP_NAMES
-from . import bench as lab_bench
 from . import compile as lab_compile
+from . import timing as lab_timing
 
 CHECK_DESCRIPTION = ("Check an implementation of an op: against the op's reference on its case grid, batch and "
                      "slot invariance, split invariance (prefill ops), the engine's invariance property with the "
@@ -51,7 +50,7 @@ def _run_check(args: argparse.Namespace) -> int:
     impl = args.impl or ("triton" if "triton" in IMPLEMENTATIONS[args.op] else "ref")
     if args.examples < 0:
         raise ValueError(f"--examples must be >= 0, got {args.examples}")
-    check_device(args.device)
+    check_device(args.device, "--device")
     verdict = check(args.op, impl, args.vs, args.device, args.dtypes, args.examples, not args.no_parity)
     print(verdict.table())
     return 0 if verdict.ok else 1
@@ -62,5 +61,5 @@ def add_parser(subparsers: Any) -> None:
     lab = subparsers.add_parser("lab", help="kernel lab: check, bench and compile op implementations")
     sub = lab.add_subparsers(dest="lab_command", required=True, metavar="{check,bench,compile}")
     _add_check(sub)
-    lab_bench.add_parser(sub)
+    lab_timing.add_parser(sub)
     lab_compile.add_parser(sub)

@@ -140,8 +140,8 @@ def test_bench_refuses_a_seed_out_of_range(capsys, tmp_path, no_model_built, see
 
 
 @pytest.mark.parametrize("device, message", [
-    ("cdua", "--device 'cdua' is not cpu or cuda[:index]"),
-    pytest.param("cuda", "--device 'cuda': torch finds no CUDA device here",
+    ("cdua", "--device must be 'cpu' or 'cuda[:index]', got 'cdua'"),
+    pytest.param("cuda", "--device 'cuda' is not available: torch finds no CUDA device here",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
 ])
 def test_bench_refuses_a_device_it_cannot_use(capsys, tmp_path, no_model_built, device, message):

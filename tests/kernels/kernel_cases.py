@@ -341,13 +341,16 @@ def as_int64(seed: int) -> int:
     return seed - 2**64 if seed >= 2**63 else seed
 
 
-MIXED_ROWS = [  # (temperature, top_k, top_p, seed, position)
-    (0.0, 0, 1.0, 1, 0),
-    (1.0, 0, 1.0, 2, 5),
-    (0.7, 5, 1.0, 3, 17),
-    (1.3, 0, 0.8, 4, 2),
-    (0.5, 3, 0.5, 2**64 - 1, 1000),
-    (2.5, 0, 1.0, 0, 63),
-    (0.0, 7, 0.3, 9, 9),
-    (1.0, 1, 1.0, 10, 4),
+# One batch of every kind of row, for the reference and the invariance tests of `sample`:
+# (temperature, top_k, top_p, seed, position).
+MIXED_ROWS = [
+    (0.0, 0, 1.0, 1, 0),  # greedy
+    (1.0, 0, 1.0, 2, 5),  # plain
+    (0.7, 5, 1.0, 3, 17),  # top-k
+    (1.3, 0, 0.8, 4, 2),  # top-p
+    (0.5, 3, 0.5, 2**64 - 1, 1000),  # top-k + top-p, the largest seed
+    (2.5, 0, 1.0, 0, 63),  # hot, seed 0
+    (0.0, 7, 0.3, 9, 9),  # greedy whatever top-k / top-p say
+    (1.0, 1, 1.0, 10, 4),  # top_k 1
+    (0.9, 10**6, 0.95, 15, 2**31),  # top_k >= V, a position past 2^31
 ]

@@ -122,6 +122,16 @@ def _assert_same_outputs(got: tuple, want: tuple, dtype: torch.dtype) -> None:
             assert_close(actual, expected)
 
 
+def _assert_rest_untouched(case, kc, vc):
+    """The mask of the cache entries no token of `case` writes; asserts kc/vc still hold the
+    inputs' caches there."""
+    positions, k_cache, v_cache, token_slots = case[3], case[6], case[7], case[8]
+    untouched = torch.ones(k_cache.shape[:2], dtype=torch.bool, device=k_cache.device)
+    untouched[token_slots, positions] = False
+    assert torch.equal(kc[untouched], k_cache[untouched]) and torch.equal(vc[untouched], v_cache[untouched])
+    return untouched
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", ROPE_CASES)
 def test_rope_write_kv_matches_reference(tokens, heads, kv_heads, head_dim, dtype):
@@ -131,11 +141,8 @@ def test_rope_write_kv_matches_reference(tokens, heads, kv_heads, head_dim, dtyp
     (out, kc, vc), (ref, kr, vr) = _run_both(case)
     assert out.shape == ref.shape and out.dtype == dtype and out.is_contiguous()
     _assert_same_outputs((out, kc, vc), (ref, kr, vr), dtype)
-    positions, k_cache, v_cache, token_slots = case[3], case[6], case[7], case[8]
-    untouched = torch.ones(k_cache.shape[:2], dtype=torch.bool, device=DEVICE)
-    untouched[token_slots, positions] = False
-    assert torch.equal(kc[untouched], k_cache[untouched]) and torch.equal(vc[untouched], v_cache[untouched])
-    assert not torch.equal(kc[~untouched], k_cache[~untouched])  # the written entries did change
+    untouched = _assert_rest_untouched(case, kc, vc)
+    assert not torch.equal(kc[~untouched], case[6][~untouched])  # the written entries did change
 
 
 # (tokens, q heads, kv heads, head dim, rotary width): partial rotary, as in Qwen3.5.
@@ -184,15 +191,8 @@ def test_gpu_rope_write_kv_matches_reference(tokens):
     for dtype in (torch.bfloat16, torch.float32):
         case = _rope_case(tokens, 32, 8, 128, dtype, seed=tokens, device="cuda", slots=16, max_len=4096)
         (out, kc, vc), (ref, kr, vr) = _run_both(case)
-        if dtype == torch.float32:
-            assert torch.equal(out, ref) and torch.equal(kc, kr) and torch.equal(vc, vr)
-        else:
-            assert_close(out, ref)
-            assert_close(kc, kr)
-            assert_close(vc, vr)
-            untouched = torch.ones(case[6].shape[:2], dtype=torch.bool, device="cuda")
-            untouched[case[8], case[3]] = False
-            assert torch.equal(kc[untouched], case[6][untouched]) and torch.equal(vc[untouched], case[7][untouched])
+        _assert_same_outputs((out, kc, vc), (ref, kr, vr), dtype)
+        _assert_rest_untouched(case, kc, vc)
 
 
 @pytest.mark.gpu
@@ -202,13 +202,7 @@ def test_gpu_rope_write_kv_partial_rotary_matches_reference():
     for dtype in (torch.bfloat16, torch.float32):
         case = list(_rope_case(4096, 16, 2, 256, dtype, seed=3, device="cuda", slots=16, max_len=4096))
         case[4], case[5] = rope_table(64, 4096, 10_000_000.0, device="cuda")
-        (out, kc, vc), (ref, kr, vr) = _run_both(case)
-        if dtype == torch.float32:
-            assert torch.equal(out, ref) and torch.equal(kc, kr) and torch.equal(vc, vr)
-        else:
-            assert_close(out, ref)
-            assert_close(kc, kr)
-            assert_close(vc, vr)
+        _assert_same_outputs(*_run_both(case), dtype)
 
 
 @pytest.mark.gpu

@@ -154,23 +154,11 @@ def test_greedy_rows_match_reference(vocab):
     assert_close(logprobs, ref_logprobs)
 
 
-SAMPLED_ROWS = [  # (temperature, top_k, top_p, seed, position)
-    (1.0, 0, 1.0, 11, 0),
-    (0.7, 5, 1.0, 12, 17),
-    (1.3, 0, 0.8, 13, 2),
-    (0.5, 3, 0.5, 2**64 - 1, 1000),
-    (2.5, 50, 0.9, 0, 63),
-    (1.0, 1, 1.0, 14, 4),
-    (0.9, 10**6, 0.95, 15, 2**31),
-    (0.0, 2, 0.3, 16, 8),
-]
-
-
 @pytest.mark.parametrize("vocab", [7, 256, 1000])
 def test_sampled_rows_match_reference(vocab):
     """Mixed plain / top-k / top-p / top-k + top-p / top_k 1 / top_k >= V / greedy rows on
     Gaussian logits: noise, allowed sets, tokens and logprobs agree with the reference."""
-    _check_against_reference(_logits(len(SAMPLED_ROWS), vocab, seed=vocab + 1), SAMPLED_ROWS)
+    _check_against_reference(_logits(len(MIXED_ROWS), vocab, seed=vocab + 1), MIXED_ROWS)
 
 
 def test_sampled_rows_match_reference_large_vocab():

@@ -158,8 +158,8 @@ def test_greedy_parity_names_the_error_that_ended_the_run():
 
 
 @pytest.mark.parametrize("device, message", [
-    ("cdua", "--device 'cdua' is not cpu or cuda[:index]"),
-    pytest.param("cuda", "--device 'cuda': torch finds no CUDA device here; use cpu",
+    ("cdua", "--device must be 'cpu' or 'cuda[:index]', got 'cdua'"),
+    pytest.param("cuda", "--device 'cuda' is not available: torch finds no CUDA device here; use 'cpu'",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
 ])
 def test_a_bad_device_is_one_line(device, message, capsys):

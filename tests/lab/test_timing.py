@@ -1,4 +1,4 @@
-"""pocketllm.lab.bench and the roofline of launches.py: each formula on a shape worked out here by
+"""pocketllm.lab.timing and the roofline of launches.py: each formula on a shape worked out here by
 hand, the bench on CPU (quick shapes under the interpreter, real shapes for torch), its errors and
 its JSON."""
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from pocketllm.kernels._triton import INTERPRETED
-from pocketllm.lab.bench import (
+from pocketllm.lab.launches import REAL, call_cost, model_steps, op_calls
+from pocketllm.lab.timing import (
     DEVICE_PEAKS,
     BenchRow,
     _measure,
@@ -22,7 +23,6 @@ from pocketllm.lab.bench import (
     main,
     run,
 )
-from pocketllm.lab.launches import REAL, call_cost, model_steps, op_calls
 
 BF16, FP32, I64 = 2, 4, 8  # bytes an element
 
@@ -154,7 +154,8 @@ def test_unknown_op_or_implementation_names_the_allowed_values(capsys):
     assert exit_info.value.code == 2 and "invalid choice: 'layer_norm'" in capsys.readouterr().err
     assert main(["rms_norm", "--vs", "nope"]) == 2
     assert "implementation of rms_norm must be one of ('ref', 'triton')" in capsys.readouterr().err
-    assert main(["rms_norm", "--device", "gpu"]) == 2 and "device 'gpu'" in capsys.readouterr().err
+    assert main(["rms_norm", "--device", "gpu"]) == 2
+    assert "--device must be 'cpu' or 'cuda[:index]', got 'gpu'" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the interpreter is off here")

@@ -1,4 +1,5 @@
-"""`pocketllm lab bench`: an op's implementation against the others, at the op's real-shape calls.
+"""`pocketllm lab bench`: an op's implementations timed against each other and against the roofline,
+at the op's real-shape calls.
 
 The calls are those of `launches.py` (the shapes `lab compile` compiles), identical ones measured
 once. Each call's inputs are random, and every implementation starts from the same inputs (stateful
@@ -31,11 +32,11 @@ from typing import Any
 
 import torch
 
-from ..bench.report import cpu_name
-from ..cli import check_device
+from ..config import check_device
 from ..kernels._triton import HAS_TRITON, INTERPRETED, triton
 from ..kernels.registry import IMPLEMENTATIONS, ImplSpec, describe, resolve
 from ..kernels.spec import Call, Cost
+from ..machine import cpu_name
 from .cases import results
 from .launches import OPS, QUICK, REAL, call_cost, model_steps, op_calls
 from .table import markdown_table
@@ -281,7 +282,7 @@ def check(ops: Sequence[str], impl: ImplSpec, vs: Sequence[ImplSpec] | None, dev
     for op in ops:
         _implementations(op, impl, vs)
     if device is not None:
-        check_device(device)
+        check_device(device, "--device")
 
 
 def bench(ops: Sequence[str], impl: ImplSpec = "triton", vs: Sequence[ImplSpec] | None = None,
@@ -380,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pocketllm.lab.bench", description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="python -m pocketllm.lab.timing", description=DESCRIPTION)
     _add_arguments(parser)
     return run(parser.parse_args(argv))
 
