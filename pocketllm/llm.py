@@ -51,6 +51,7 @@ class Capabilities:
     batch_invariant: bool
     cache_bytes: int  # size of the slot cache
     state_snapshot_bytes_per_slot: int  # most a slot's Gated DeltaNet state copies take (0: none kept)
+    exact_positions: bool  # a position's bits are the same decoded, prefilled at any cut, or scored
 
 
 class LLM:
@@ -88,7 +89,7 @@ class LLM:
         self.slots = self.scheduler.slots if self.scheduler is not None else SlotManager(self.cache, self.policy)
         self.capabilities = Capabilities(self.scheduler is not None, args.backend, args.max_batch_size,
                                          args.max_seq_len, batch_invariant, self.cache.nbytes,
-                                         self._snapshot_bytes_per_slot())
+                                         self._snapshot_bytes_per_slot(), self._exact_positions(batch_invariant))
 
     def _detokenizer(self) -> Callable[[list[int]], str] | None:
         """token ids -> text as results show it (special tokens skipped), or None without a tokenizer."""
@@ -125,6 +126,13 @@ class LLM:
         batched = self.args.options.engine.enable_batching  # the serial path reuses nothing
         interval = self.policy.snapshot_interval if self.policy.prefix_reuse and batched else 0
         return (self.args.max_seq_len - 1) // interval * self._state_bytes() if interval else 0
+
+    def _exact_positions(self, batch_invariant: bool) -> bool:
+        """Whether a position's bits are the same decoded, prefilled or scored: the op table's choice
+        (`exact_positions`), on a model without Gated DeltaNet layers (their recurrent decode step
+        and chunked prefill round differently)."""
+        requested = self.args.options.backend.exact_positions
+        return batch_invariant and get_backend(self.args.backend).exact(requested) and not self.cache.has_states
 
     def _check_invariance(self) -> bool:
         """Whether this engine keeps the invariance contract here. The triton kernels are invariant

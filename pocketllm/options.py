@@ -59,8 +59,10 @@ class BackendOptions:
     decode_per_row: bool = _option(False, "decode rows multiply W one row per call (fastest for batches of 1-2) "
                                           "instead of in 4-row tiles (fastest from 3 rows on); needs "
                                           "exact_positions=False")
-    exact_positions: bool = _option(True, "a position's logits are bitwise the same decoded, prefilled in a piece "
-                                          "of any length, or scored (prompt_logprobs); attention-only models")
+    exact_positions: bool | None = _option(None, "a position's logits are bitwise the same decoded, prefilled in a "
+                                                 "piece of any length, or scored (prompt_logprobs), on models without "
+                                                 "Gated DeltaNet layers; None: the backend's default (triton: on, "
+                                                 "torch: off, its exact prefill is about 4x slower)")
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ def parse_backend_options(raw: Mapping[str, Any] | None) -> Options:
     for name, value in raw.items():
         _check(name, value)
     backend = BackendOptions(**_given(BackendOptions, raw))
-    if backend.decode_per_row and backend.exact_positions:
+    if backend.decode_per_row and backend.exact_positions is True:
         raise ValueError("backend_options['decode_per_row']=True needs backend_options['exact_positions']=False: a "
                          "row multiplied alone rounds differently from the same row prefilled in a 4-row tile")
     return Options(EngineOptions(**_given(EngineOptions, raw)), backend)
@@ -107,6 +109,10 @@ def _given(group: type, raw: Mapping[str, Any]) -> dict[str, Any]:
 
 def _check(name: str, value: Any) -> None:
     spec = KNOWN[name]
+    if spec.default is None:  # a bool, or None for the backend's choice
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"backend_options[{name!r}] must be a bool or None, got {value!r}")
+        return
     if isinstance(spec.default, bool):
         if not isinstance(value, bool):
             raise TypeError(f"backend_options[{name!r}] must be a bool, got {value!r}")

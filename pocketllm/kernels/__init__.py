@@ -68,14 +68,15 @@ if {f.name for f in fields(Ops)} != set(OP_NAMES):
 
 
 def backend_impls(backend: str, batch_invariant: bool = True, decode_per_row: bool = False,
-                  exact_positions: bool = True) -> dict[str, str]:
+                  exact_positions: bool | None = None) -> dict[str, str]:
     """op -> implementation name for `backend` (see each backend's record in `backends.py`; the
     flags are the `backend_options` of the same names, read by the backends that list them)."""
-    return get_backend(backend).select(IMPLEMENTATIONS, batch_invariant, decode_per_row, exact_positions)
+    record = get_backend(backend)
+    return record.select(IMPLEMENTATIONS, batch_invariant, decode_per_row, record.exact(exact_positions))
 
 
 def get_ops(backend: str, batch_invariant: bool = True, decode_per_row: bool = False,
-            overrides: Mapping[str, ImplSpec] | None = None, exact_positions: bool = True) -> Ops:
+            overrides: Mapping[str, ImplSpec] | None = None, exact_positions: bool | None = None) -> Ops:
     """The op table of `backend` (a name in `BACKENDS`), with each op in `overrides` replaced (a
     registered name, "module:function" or a callable)."""
     table: dict[str, Callable[..., Any]] = {op: IMPLEMENTATIONS[op][name]
@@ -85,6 +86,6 @@ def get_ops(backend: str, batch_invariant: bool = True, decode_per_row: bool = F
     return Ops(**table)
 
 
-def torch_ops(batch_invariant: bool = True, decode_per_row: bool = False, exact_positions: bool = True) -> Ops:
+def torch_ops(batch_invariant: bool = True, decode_per_row: bool = False, exact_positions: bool | None = None) -> Ops:
     """The torch backend's table (see `backend_impls`)."""
     return get_ops("torch", batch_invariant, decode_per_row, exact_positions=exact_positions)

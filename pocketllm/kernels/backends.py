@@ -23,6 +23,11 @@ class Backend:
     select: Callable[[Implementations, bool, bool, bool], dict[str, str]]
     invariant_by_construction: bool
     options: tuple[str, ...]  # the backend_options whose values change what it runs
+    exact_by_default: bool  # exact_positions when the option is None: on where it costs little
+
+    def exact(self, requested: bool | None) -> bool:
+        """Whether decoded and prefilled positions get the same bits, given `exact_positions`."""
+        return self.exact_by_default if requested is None else requested
 
 
 def _torch(implementations: Implementations, batch_invariant: bool, decode_per_row: bool,
@@ -55,8 +60,9 @@ def _triton(implementations: Implementations, batch_invariant: bool, decode_per_
 
 BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
     Backend("torch", _torch, invariant_by_construction=False,
-            options=("batch_invariant", "invariance_probe", "decode_per_row", "exact_positions")),
-    Backend("triton", _triton, invariant_by_construction=True, options=("exact_positions",)),
+            options=("batch_invariant", "invariance_probe", "decode_per_row", "exact_positions"),
+            exact_by_default=False),  # exact prefill rows (4-row tiles, attention row by row): ~4x slower
+    Backend("triton", _triton, invariant_by_construction=True, options=("exact_positions",), exact_by_default=True),
 )}
 
 DEFAULT_BACKEND = "torch"  # runs anywhere; the fast path on CPU
