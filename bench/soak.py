@@ -224,8 +224,8 @@ def soak(path: Path, requests: int, seed: int = 0, max_batch_size: int = 8, faul
     for i, item in enumerate(work):
         if callback_calls[i] != (1 if item.has_callback else 0):
             problems.append(f"request #{i}: callback ran {callback_calls[i]} times")
-    if llm.cache.num_free != max_batch_size or stats.running or stats.waiting or stats.swap_bytes_held:
-        problems.append(f"leak: {llm.cache.num_free}/{max_batch_size} slots free, {stats.running} running, "
+    if llm.slots.num_free != max_batch_size or stats.running or stats.waiting or stats.swap_bytes_held:
+        problems.append(f"leak: {llm.slots.num_free}/{max_batch_size} slots free, {stats.running} running, "
                         f"{stats.waiting} waiting, {stats.swap_bytes_held} swap bytes held")
     counted = stats.finished + stats.cancelled + stats.errored
     if counted != len(work) or sum(reasons.values()) != len(work):

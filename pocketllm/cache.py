@@ -6,15 +6,14 @@ admission to completion and kernels need no per-token index loads.
   live at [slot, position].
 - Gated DeltaNet layers: a conv state [num_slots, conv_dim, conv_width - 1] (the last inputs of the
   causal conv) and an fp32 recurrent state [num_slots, heads, key_dim, value_dim]. Both are zeroed
-  when a request takes the slot, so a slot's previous tenant never leaks into the next.
-A freed slot remembers the token ids whose K/V it still holds, so a later request with a shared
-prefix can find them, and free slots are handed out least recently used first, so those contents
-last. Prefix reuse (see `scheduler/prefix_index.py`) takes a slot keeping its first `keep`
-positions, or copies a prefix from another slot. K/V of a prefix are complete as they stand; a
-Gated DeltaNet layer also needs its states as they were after the prefix, so the scheduler keeps
+  when a slot is reset for a new tenant, so a slot's previous tenant never leaks into the next.
+Prefix reuse (see `scheduler/prefix_index.py`) resets a slot keeping its first `keep` positions,
+or copies a prefix from another slot. K/V of a prefix are complete as they stand; a Gated
+DeltaNet layer also needs its states as they were after the prefix, so the scheduler keeps
 `prefix_states`: copies of a slot's conv and recurrent state at chunk boundaries of its prefill.
-These are primitives: which request holds which slot, and when contents may be reused, swapped
-or must be forgotten, is decided in one place, `scheduler/slots.py`.
+The cache holds tensors only: these are primitives. Which slots are free, which request holds
+which slot, what a freed slot holds, and when contents may be reused, swapped or must be
+forgotten, is decided in one place, `scheduler/slots.py`.
 
 `cache_bytes` sizes a cache before anything is allocated, so that the engine refuses a cache
 larger than the memory the device has free (`require_memory`) before it reads any weight,
@@ -32,7 +31,8 @@ from .config import ModelConfig
 
 
 class SlotCacheError(RuntimeError):
-    """The one error the slot cache raises: no free slot, or a slot that is not allocated."""
+    """The one error slot misuse raises: no free slot, a slot that is not free or not allocated
+    (the SlotManager's bookkeeping), or a state copy that is missing (the cache's tensors)."""
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,8 @@ class StateSnapshot:
 
 
 class SlotCache:
-    """Per-layer slot tensors (None where a layer has no such state) plus slot bookkeeping."""
+    """Per-layer slot tensors (None where a layer has no such state) and the copies of their
+    states; the bookkeeping of who holds a slot lives in the SlotManager."""
 
     def __init__(self, num_slots: int, max_seq_len: int, layers: list[LayerCacheSpec], dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> None:
@@ -148,20 +149,9 @@ class SlotCache:
                 self.conv.append(torch.zeros(num_slots, spec.conv_dim, spec.conv_width - 1, dtype=dtype, device=device))
                 self.recurrent.append(torch.zeros(
                     num_slots, spec.num_heads, spec.key_dim, spec.value_dim, dtype=torch.float32, device=device))
-        self.slot_tokens: list[list[int]] = [[] for _ in range(num_slots)]
         # Per slot: position -> copies of its states (one per layer with states) after that many tokens.
         self.prefix_states: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(num_slots)]
         self.prefix_state_bytes = sum(s[0].numel() * s.element_size() for s in self._states())  # one copy
-        self._free = list(range(num_slots))  # least recently used first
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def free_slots(self) -> list[int]:
-        """Free slots, least recently used first."""
-        return list(self._free)
 
     @property
     def has_states(self) -> bool:
@@ -171,30 +161,14 @@ class SlotCache:
     def _states(self) -> list[torch.Tensor]:
         return [s for s in self.conv + self.recurrent if s is not None]
 
-    def allocate(self, slot: int | None = None, keep: int = 0) -> int:
-        """Take a free slot: `slot`, or the least recently used one. Its first `keep` positions stay
-        as they are (a reused prefix: the recurrent states are set to their copy at `keep`, which
-        must exist); with keep=0 its states are zeroed. SlotCacheError when no slot is free or
-        `slot` is not free."""
-        if not self._free:
-            raise SlotCacheError(f"all {self.num_slots} cache slots are in use")
-        if slot is None:
-            slot = self._free[0]
-        elif slot not in self._free:
-            raise SlotCacheError(f"slot {slot} is not free (free: {sorted(self._free)})")
+    def reset(self, slot: int, keep: int = 0) -> None:
+        """Ready a slot for a new tenant. Its first `keep` positions stay as they are (a reused
+        prefix: the recurrent states are set to their copy at `keep`, which must exist, else
+        SlotCacheError before anything changes); with keep=0 its states are zeroed, so the previous
+        tenant's state never leaks into the next."""
         if keep and self.has_states and keep not in self.prefix_states[slot]:
             raise SlotCacheError(f"slot {slot} has no state copy at position {keep} to resume from")
-        self._free.remove(slot)
-        self.slot_tokens[slot] = []
         self._set_states(slot, slot, keep)
-        return slot
-
-    def free(self, slot: int, tokens: list[int]) -> None:
-        """Return a slot; `tokens` are the ids whose K/V it now holds (positions 0..len-1)."""
-        if not 0 <= slot < self.num_slots or slot in self._free:
-            raise SlotCacheError(f"slot {slot} is not allocated (slots 0..{self.num_slots - 1})")
-        self.slot_tokens[slot] = list(tokens)
-        self._free.append(slot)
 
     def forget(self, slot: int) -> None:
         """Drop a slot's state copies: its contents are no longer trusted (a failed forward)."""

@@ -195,7 +195,7 @@ def run_batched(engines: Engines, workload: list[Job], max_batch_size: int,
     results = {index: scheduler.poll_result(request_id) for index, request_id in ids.items()}
     if any(r is None for r in results.values()):
         raise AssertionError("a request has no terminal state after the scheduler ran out of work")
-    if engines.batched[max_batch_size].cache.num_free != max_batch_size:
+    if engines.batched[max_batch_size].slots.num_free != max_batch_size:
         raise AssertionError("slots still held after every request ended")
     return results
 

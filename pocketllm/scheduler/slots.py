@@ -3,6 +3,11 @@ requests. The serial path and the scheduler both go through it, so a request's s
 (allocation, prefix reuse, state snapshots, swap, the rule that a failed slot keeps no contents)
 is written once.
 
+The manager owns the slot bookkeeping; the cache holds tensors only. Free slots are handed out
+least recently used first (a freed slot goes to the end of the free list), so what a freed slot
+holds lasts as long as it can for prefix reuse, and a freed slot records the token ids whose K/V
+it still holds (`held_tokens`).
+
 Prefix reuse: a new request takes the slot whose contents share the longest reusable prefix
 with its prompt (free slots first at equal length, then the least recently used); when the best
 donor is busy, the prefix is copied into a free slot instead. The reused length is rounded down
@@ -15,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..cache import SlotCache, StateSnapshot
+from ..cache import SlotCache, SlotCacheError, StateSnapshot
 from ..runner import SequenceInput
 from .policy import PrefillPolicy
 from .prefix_index import PrefixIndex
@@ -37,9 +42,13 @@ class Placement:
 
 
 class SlotManager:
+    """Which slots are free, what each holds, and every step of a request's slot lifecycle."""
+
     def __init__(self, cache: SlotCache, policy: PrefillPolicy) -> None:
         self.cache = cache
         self.policy = policy
+        self._free = list(range(cache.num_slots))  # least recently used first
+        self._held: list[list[int]] = [[] for _ in range(cache.num_slots)]  # per freed slot: its tokens
         self.index = PrefixIndex(cache.num_slots, policy.reuse_grid or 1)  # grid 0: nothing is reused
         # Slots whose contents were swapped in: they hold no state copies, so they are not donors
         # until another request takes them.
@@ -49,7 +58,16 @@ class SlotManager:
 
     @property
     def num_free(self) -> int:
-        return self.cache.num_free
+        return len(self._free)
+
+    @property
+    def free_slots(self) -> list[int]:
+        """Free slots, least recently used first."""
+        return list(self._free)
+
+    def held_tokens(self, slot: int) -> list[int]:
+        """The token ids whose K/V free slot `slot` holds (positions 0..len-1); empty while taken."""
+        return list(self._held[slot])
 
     def configure(self, policy: PrefillPolicy) -> None:
         """Run on `policy` from now on; what the slots hold stays reusable only when the reuse grid
@@ -63,10 +81,32 @@ class SlotManager:
 
     # -- taking and releasing slots ----------------------------------------------------------
 
+    def allocate(self, slot: int | None = None, keep: int = 0) -> int:
+        """Take a free slot: `slot`, or the least recently used one, reset for its new tenant with
+        its first `keep` positions kept (`SlotCache.reset`). SlotCacheError when no slot is free or
+        `slot` is not free."""
+        if not self._free:
+            raise SlotCacheError(f"all {self.cache.num_slots} cache slots are in use")
+        if slot is None:
+            slot = self._free[0]
+        elif slot not in self._free:
+            raise SlotCacheError(f"slot {slot} is not free (free: {sorted(self._free)})")
+        self.cache.reset(slot, keep)
+        self._free.remove(slot)
+        self._held[slot] = []
+        return slot
+
+    def free(self, slot: int, tokens: list[int]) -> None:
+        """Return a slot; `tokens` are the ids whose K/V it now holds (positions 0..len-1)."""
+        if not 0 <= slot < self.cache.num_slots or slot in self._free:
+            raise SlotCacheError(f"slot {slot} is not allocated (slots 0..{self.cache.num_slots - 1})")
+        self._held[slot] = list(tokens)
+        self._free.append(slot)
+
     def place(self, prompt: Sequence[int], reuse: bool = True) -> Placement:
         """The best free slot for `prompt`, and the prefix it can reuse (none without `reuse`). A
         free slot must exist."""
-        free = self.cache.free_slots  # least recently used first
+        free = self.free_slots  # least recently used first
         limit = self.policy.reusable(len(prompt), len(prompt)) if reuse else 0
         matches = self.index.match(prompt, limit) if limit else {}
         # Longest prefix; at equal length a free slot (no copy), then the least recently used.
@@ -81,7 +121,7 @@ class SlotManager:
         """Give `request` the placement's slot with its reused prefix in place (copied if need be).
         If that raises, the slot is free again and claims no contents."""
         slot, reused = placement.slot, placement.reused
-        self.cache.allocate(slot, keep=0 if placement.copied else reused)
+        self.allocate(slot, keep=0 if placement.copied else reused)
         try:
             if placement.copied:
                 assert placement.donor is not None
@@ -96,7 +136,7 @@ class SlotManager:
 
     def admit_cold(self, request: Request) -> None:
         """Give `request` the least recently used free slot, reusing nothing."""
-        slot = self.cache.allocate()
+        slot = self.allocate()
         self.index.truncate(slot, 0)
         self._unindexed.discard(slot)
         request.slot, request.num_prefilled = slot, 0
@@ -119,14 +159,14 @@ class SlotManager:
         if request.finish_reason == "error":
             self._discard(slot)
         else:
-            self.cache.free(slot, request.held_tokens())
+            self.free(slot, request.held_tokens())
         request.slot = None
 
     def _discard(self, slot: int) -> None:
         """Free a slot whose contents may be wrong: nothing in it is reused."""
         self.index.truncate(slot, 0)
         self.cache.forget(slot)
-        self.cache.free(slot, [])
+        self.free(slot, [])
 
     # -- a forward's recurrent states ------------------------------------------------------
 
@@ -159,7 +199,7 @@ class SlotManager:
         contents stay reusable)."""
         slot = request.assigned_slot
         request.swapped = self.cache.swap_out(slot, request.num_cached)
-        self.cache.free(slot, request.held_tokens())
+        self.free(slot, request.held_tokens())
         request.slot = None
         self.swap_held += request.swapped.nbytes
 
@@ -167,7 +207,7 @@ class SlotManager:
         """Bring a swapped-out request back into the least recently used free slot, bit for bit.
         If that raises, the slot is free again and claims no contents."""
         assert request.swapped is not None
-        slot = self.cache.allocate()
+        slot = self.allocate()
         try:
             self.index.truncate(slot, 0)
             self.cache.swap_in(slot, request.swapped)

@@ -186,7 +186,7 @@ def test_hundreds_of_concurrent_requests_early_exits_and_cancellation(tiny_check
                 break
             time.sleep(0.005)
         stats = scheduler.get_stats()
-        assert settled() and engine.llm.cache.num_free == 8 and stats.errored == 0
+        assert settled() and engine.llm.slots.num_free == 8 and stats.errored == 0
         assert stats.uncollected == 0  # every result was collected: nothing leaks
         assert ticks_mid_stream >= 3  # the loop ran while streams were mid-way
     finally:

@@ -270,13 +270,17 @@ def test_bad_requests_raise_and_engine_keeps_working(llm, vocab):
     params = SamplingParams(max_tokens=8, seed=123, ignore_eos=True)
     before = llm.generate(PROMPT, params)
     k_before = [k.clone() for k in llm.cache.k]
-    slots_before = [list(t) for t in llm.cache.slot_tokens]
-    free_before = llm.cache.num_free
+
+    def held() -> list[list[int]]:
+        return [llm.slots.held_tokens(slot) for slot in range(llm.cache.num_slots)]
+
+    slots_before = held()
+    free_before = llm.slots.num_free
     for prompt, bad_params, error, message in _bad_requests(vocab):
         with pytest.raises(error, match=message):
             llm.generate(prompt, bad_params)
     assert all(torch.equal(a, b) for a, b in zip(k_before, llm.cache.k))
-    assert llm.cache.slot_tokens == slots_before and llm.cache.num_free == free_before
+    assert held() == slots_before and llm.slots.num_free == free_before
     after = llm.generate(PROMPT, params)
     assert (after.token_ids, after.logprobs) == (before.token_ids, before.logprobs)
 

@@ -117,7 +117,7 @@ def test_fuzz_prompt_tokens(llm, prompt):
     which prompt makes the random model's greedy token EOS depends on its last bits, so on the CPU."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     got = outcome(lambda: llm.generate(prompt, params))
-    assert llm.cache.num_free == llm.cache.num_slots
+    assert llm.slots.num_free == llm.cache.num_slots
     if isinstance(got, Exception):
         return
     results = got if isinstance(got, list) else [got]

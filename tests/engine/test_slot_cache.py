@@ -1,5 +1,6 @@
-"""SlotCache on its own: tensor layout per layer kind, slot allocation order, state zeroing on
-reuse (a new tenant never sees the previous one's recurrent state) and the bookkeeping errors."""
+"""SlotCache on its own: tensor layout per layer kind, state zeroing on reset (a new tenant never
+sees the previous one's recurrent state), resuming and copying prefixes, and the state-copy errors.
+The bookkeeping of free slots is the SlotManager's (tests/scheduler/test_slot_manager.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def test_layout_per_layer_kind():
     state; Gated DeltaNet layers get a conv state [slots, conv_dim, width - 1] in the cache dtype
     and an fp32 recurrent state [slots, H, Dk, Dv], and no K/V. All start at zero, on the CPU."""
     cache = SlotCache(3, 16, LAYERS, torch.float16)
-    assert (cache.num_slots, cache.max_seq_len, cache.num_free) == (3, 16, 3)
+    assert (cache.num_slots, cache.max_seq_len) == (3, 16)
     k, v = cache.k[0], cache.v[0]
     assert k.shape == v.shape == (3, 16, 2, 8) and k.dtype == v.dtype == torch.float16
     assert cache.conv[0] is None and cache.recurrent[0] is None
@@ -26,56 +27,41 @@ def test_layout_per_layer_kind():
     assert cache.recurrent[1].shape == (3, 3, 5, 7) and cache.recurrent[1].dtype == torch.float32
     for t in (k, v, cache.conv[1], cache.recurrent[1]):
         assert t.device.type == "cpu" and not t.any()
-    assert cache.slot_tokens == [[], [], []]
 
 
-def test_allocate_takes_the_least_recently_used_slot_and_zeroes_only_its_states():
-    """Never-used slots go first in index order, then freed slots in the order they were freed (what
-    a slot holds lasts as long as possible for prefix reuse); taking a slot zeroes its conv and
-    recurrent state (not other slots', not K/V) and forgets its remembered tokens."""
+def test_reset_zeroes_only_that_slots_states():
+    """Resetting a slot for a new tenant zeroes its conv and recurrent state (not other slots', not
+    K/V: those are overwritten position by position, never cleared)."""
     cache = SlotCache(3, 8, LAYERS, torch.float32)
-    assert [cache.allocate() for _ in range(3)] == [0, 1, 2]
-    assert cache.num_free == 0
-    with pytest.raises(SlotCacheError, match="all 3 cache slots are in use"):
-        cache.allocate()
     for state in (cache.conv[1], cache.recurrent[1], cache.k[0]):
         state.fill_(1.0)
-    cache.free(2, [7, 8])
-    cache.free(0, [4, 5, 6])
-    assert cache.num_free == 2 and cache.slot_tokens == [[4, 5, 6], [], [7, 8]]
-    assert cache.free_slots == [2, 0]
-    assert cache.allocate() == 2
-    assert cache.slot_tokens == [[4, 5, 6], [], []]
+    cache.reset(2)
     assert not cache.conv[1][2].any() and not cache.recurrent[1][2].any()
     assert bool((cache.conv[1][:2] == 1).all()) and bool((cache.recurrent[1][:2] == 1).all())
-    assert bool((cache.k[0] == 1).all())  # K/V are overwritten position by position, never cleared
-    assert cache.allocate() == 0 and cache.num_free == 0
+    assert bool((cache.k[0] == 1).all())
 
 
-def test_allocate_a_given_slot_keeping_a_prefix_resumes_its_state_copy():
-    """allocate(slot, keep): K/V stay, the recurrent states become their copy at `keep`, copies
-    past `keep` are dropped; a keep without a copy, or a slot that is not free, is refused."""
+def test_reset_keeping_a_prefix_resumes_its_state_copy():
+    """reset(slot, keep): K/V stay, the recurrent states become their copy at `keep`, copies past
+    `keep` are dropped; a keep without a copy is refused."""
     cache = SlotCache(2, 8, LAYERS, torch.float32)
-    slot = cache.allocate()
+    slot = 0
     cache.recurrent[1][slot].fill_(2.0)
     cache.save_prefix_state(slot, 4)
     cache.recurrent[1][slot].fill_(3.0)
     cache.save_prefix_state(slot, 8)
     cache.k[0][slot].fill_(5.0)
     assert cache.prefix_state_nbytes == 2 * cache.prefix_state_bytes
-    with pytest.raises(SlotCacheError, match="slot 0 is not free"):
-        cache.allocate(slot)
-    cache.free(slot, [1] * 8)
     with pytest.raises(SlotCacheError, match="no state copy at position 3"):
-        cache.allocate(slot, keep=3)
-    assert cache.allocate(slot, keep=4) == slot
+        cache.reset(slot, keep=3)
+    cache.reset(slot, keep=4)
     assert bool((cache.recurrent[1][slot] == 2).all()) and bool((cache.k[0][slot] == 5).all())
     assert sorted(cache.prefix_states[slot]) == [4]
 
 
 def test_copy_prefix_copies_rows_and_states_bit_for_bit():
     cache = SlotCache(2, 8, LAYERS, torch.float32)
-    source, target = cache.allocate(), cache.allocate()
+    source, target = 0, 1
     cache.k[0][source].normal_()
     cache.v[0][source].normal_()
     cache.conv[1][source].normal_()
@@ -94,33 +80,12 @@ def test_copy_prefix_copies_rows_and_states_bit_for_bit():
         cache.copy_prefix(source, target, 8)
 
 
-def test_free_rejects_slots_not_in_use():
-    cache = SlotCache(2, 8, LAYERS[:1], torch.float32)
-    slot = cache.allocate()
-    for bad in (1, -1, 2):  # free already, negative, out of range
-        with pytest.raises(SlotCacheError, match=rf"slot {bad} is not allocated \(slots 0..1\)"):
-            cache.free(bad, [])
-    cache.free(slot, [1])
-    with pytest.raises(SlotCacheError, match="slot 0 is not allocated"):
-        cache.free(slot, [1])
-    assert cache.num_free == 2 and cache.slot_tokens[0] == [1]
-
-
-def test_remembered_tokens_are_a_copy():
-    """Changing the caller's list afterwards does not change what the slot remembers."""
-    cache = SlotCache(1, 8, LAYERS[:1], torch.float32)
-    tokens = [1, 2, 3]
-    cache.free(cache.allocate(), tokens)
-    tokens.append(4)
-    assert cache.slot_tokens[0] == [1, 2, 3]
-
-
 def test_every_tensor_is_on_the_requested_device():
     """On another device (the meta device stands in for a GPU here) every slot tensor lives there."""
     cache = SlotCache(2, 4, LAYERS, torch.float32, device="meta")
     for t in (cache.k[0], cache.v[0], cache.conv[1], cache.recurrent[1]):
         assert t.device.type == "meta"
-    assert cache.allocate() == 0  # zeroing works there too
+    cache.reset(0)  # zeroing works there too
 
 
 def test_recurrent_state_is_fp32_whatever_the_default_dtype():

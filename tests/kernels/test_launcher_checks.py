@@ -1,5 +1,5 @@
 """Launchers refuse bad arguments before launching: a kernel trusts its pointers, so a wrong shape
-or dtype would read the wrong memory instead of failing. The slot cache raises one error type."""
+or dtype would read the wrong memory instead of failing. Slot misuse raises one error type."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from pocketllm.kernels.decode_attention import decode_attention_triton
 from pocketllm.kernels.gated_delta_decode import gated_delta_decode_triton
 from pocketllm.kernels.gated_delta_prefill import gated_delta_prefill_triton
 from pocketllm.kernels.prefill_attention import prefill_attention_triton
+from pocketllm.scheduler.policy import PrefillPolicy
+from pocketllm.scheduler.slots import SlotManager
 
 pytest.importorskip("triton")
 
@@ -71,11 +73,11 @@ def test_gated_delta_launchers_check_state_and_heads(kwargs, message):
         gated_delta_prefill_triton(q, k, v, g, beta, states, _long(0), _long(0), _long(0, 3))
 
 
-def test_slot_cache_raises_one_error_type():
-    cache = SlotCache(1, 8, [AttentionCacheSpec(1, 4)], torch.float32)
-    slot = cache.allocate()
+def test_slot_misuse_raises_one_error_type():
+    slots = SlotManager(SlotCache(1, 8, [AttentionCacheSpec(1, 4)], torch.float32), PrefillPolicy())
+    slot = slots.allocate()
     with pytest.raises(SlotCacheError, match="all 1 cache slots are in use"):
-        cache.allocate()
-    cache.free(slot, [])
+        slots.allocate()
+    slots.free(slot, [])
     with pytest.raises(SlotCacheError, match="slot 0 is not allocated"):
-        cache.free(slot, [])
+        slots.free(slot, [])

@@ -59,11 +59,11 @@ def test_prefill_last_logits_match_transformers(models, length):
     """Last-token logits of a prefill equal transformers' within 1e-4."""
     llm, hf = models
     prompt = _prompt(llm, length)
-    slot = llm.cache.allocate()
+    slot = llm.slots.allocate()
     try:
         logits = _forward(llm, [slot], [0], [prompt], False)[0]
     finally:
-        llm.cache.free(slot, [])
+        llm.slots.free(slot, [])
     torch.testing.assert_close(logits, _hf_logits(hf, prompt)[-1], atol=ATOL, rtol=0)
 
 
@@ -72,7 +72,7 @@ def test_varlen_and_chunked_prefill_match_transformers(models):
     behind a cached prefix), each give transformers' last-token logits."""
     llm, hf = models
     prompts = [_prompt(llm, n) for n in PROMPT_LENGTHS]
-    slots = [llm.cache.allocate() for _ in prompts]
+    slots = [llm.slots.allocate() for _ in prompts]
     try:
         logits = _forward(llm, slots, [0] * len(prompts), prompts, False)
         for row, prompt in zip(logits, prompts):
@@ -83,7 +83,7 @@ def test_varlen_and_chunked_prefill_match_transformers(models):
         torch.testing.assert_close(chunked, _hf_logits(hf, long)[-1], atol=ATOL, rtol=0)
     finally:
         for slot in slots:
-            llm.cache.free(slot, [])
+            llm.slots.free(slot, [])
 
 
 @pytest.mark.parametrize("length,end_with_eos", [(n, False) for n in PROMPT_LENGTHS] + [(7, True)])
@@ -108,13 +108,13 @@ def test_decode_logits_match_transformers_teacher_forced(models, length):
     prompt = _prompt(llm, length)
     continuation = _hf_greedy(hf, prompt)
     reference = _hf_logits(hf, prompt + continuation)
-    slot = llm.cache.allocate()
+    slot = llm.slots.allocate()
     try:
         steps = [_forward(llm, [slot], [0], [prompt], False)[0]]
         for i, token in enumerate(continuation[:-1]):
             steps.append(_forward(llm, [slot], [length + i], [[token]], True)[0])
     finally:
-        llm.cache.free(slot, [])
+        llm.slots.free(slot, [])
     for i, logits in enumerate(steps):
         torch.testing.assert_close(logits, reference[length - 1 + i], atol=ATOL, rtol=0, msg=f"step {i}")
 

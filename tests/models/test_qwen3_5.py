@@ -44,14 +44,14 @@ def test_prefill_and_decode_logits_match_transformers(pair, length):
     continuation = prompt_of(length + 7)[:6]
     with torch.no_grad():
         reference = hf(input_ids=torch.tensor([prompt + continuation])).logits[0]
-    slot = llm.cache.allocate()
+    slot = llm.slots.allocate()
     try:
         logits = [llm.model.forward(ForwardBatch.build([slot], [0], [prompt], False, "cpu"), llm.cache)[0]]
         for i, token in enumerate(continuation):
             batch = ForwardBatch.build([slot], [length + i], [[token]], True, "cpu")
             logits.append(llm.model.forward(batch, llm.cache)[0])
     finally:
-        llm.cache.free(slot, [])
+        llm.slots.free(slot, [])
     expected = reference[length - 1:]
     torch.testing.assert_close(torch.stack(logits), expected, atol=1e-4, rtol=1e-4)
 
@@ -96,7 +96,7 @@ def test_split_prefill_at_chunk_boundary_is_bitwise(checkpoint_dir):
     path = checkpoint_dir("qwen3.5")
     llm = LLM(EngineArgs(model=str(path), max_seq_len=160))
     prompt = prompt_of(100)
-    one, two = llm.cache.allocate(), llm.cache.allocate()
+    one, two = llm.slots.allocate(), llm.slots.allocate()
     whole = llm.model.forward(ForwardBatch.build([one], [0], [prompt], False, "cpu"), llm.cache)
     llm.model.forward(ForwardBatch.build([two], [0], [prompt[:64]], False, "cpu"), llm.cache)
     pieces = llm.model.forward(ForwardBatch.build([two], [64], [prompt[64:]], False, "cpu"), llm.cache)

@@ -98,7 +98,7 @@ def test_raising_callback_is_logged_counted_and_contained(make_llm, drain, wait_
     assert len(records) == 1
     assert records[0].levelno == logging.ERROR and records[0].exc_info is not None
     assert isinstance(records[0].exc_info[1], ValueError)
-    assert llm.cache.num_free == 2
+    assert llm.slots.num_free == 2
 
 
 def has_prefill(seqs) -> bool:
@@ -143,7 +143,7 @@ def test_prefill_failure_errors_its_batch_and_keeps_serving(make_llm, drain, mon
     ids = [s.submit_request(p, greedy(3), callback=cb) for p in ([1], [2, 3], [4, 5, 6])]
     s.step()
     assert log["failed"] == 1 + len(ids)  # the batch, then each request alone
-    assert llm.cache.num_free == 3 and not s.has_work
+    assert llm.slots.num_free == 3 and not s.has_work
     for rid in ids:
         result = s.poll_result(rid)
         assert result.finish_reason == "error" and result.token_ids == []
@@ -159,7 +159,7 @@ def test_prefill_failure_errors_its_batch_and_keeps_serving(make_llm, drain, mon
     drain(s)
     result = s.poll_result(again)
     assert result.finish_reason == "length" and result.token_ids == reference.token_ids
-    assert llm.cache.num_free == 3
+    assert llm.slots.num_free == 3
 
 
 def test_transient_batch_failure_is_retried_per_request(make_llm, drain, monkeypatch):
@@ -182,7 +182,7 @@ def test_transient_batch_failure_is_retried_per_request(make_llm, drain, monkeyp
             assert result.finish_reason == "length"
             assert (result.token_ids, result.logprobs) == (ref.token_ids, ref.logprobs)
         monkeypatch.undo()
-    assert llm.cache.num_free == 3 and s.get_stats().errored == 0
+    assert llm.slots.num_free == 3 and s.get_stats().errored == 0
 
 
 def test_decode_failure_errors_only_the_decode_batch(make_llm, drain, monkeypatch):
@@ -204,11 +204,11 @@ def test_decode_failure_errors_only_the_decode_batch(make_llm, drain, monkeypatc
     for rid in (a, b):
         result = s.poll_result(rid)
         assert result.finish_reason == "error" and "boom" in result.error and len(result.token_ids) == 1
-    assert llm.cache.num_free == 2 and s.get_stats().running == 1
+    assert llm.slots.num_free == 2 and s.get_stats().running == 1
     drain(s)
     result = s.poll_result(fresh)
     assert result.finish_reason == "length" and result.token_ids == reference.token_ids
-    assert llm.cache.num_free == 3 and s.get_stats().errored == 2
+    assert llm.slots.num_free == 3 and s.get_stats().errored == 2
 
 
 def test_prefill_failure_leaves_running_requests_alone(make_llm, drain, monkeypatch):
@@ -245,7 +245,7 @@ def test_forward_failure_does_not_stop_background_thread(make_llm, monkeypatch):
         result = s.poll_result(rid, timeout_ms=10_000)
         assert result is not None and result.finish_reason == "length"
     assert s._thread.is_alive()
-    assert llm.cache.num_free == 2
+    assert llm.slots.num_free == 2
 
 
 BAD_INPUTS = [
@@ -273,7 +273,7 @@ def test_bad_submission_raises_and_queues_nothing(make_llm, drain, prompt, param
     with pytest.raises(error):
         s.submit_request(prompt, params)
     assert s.get_stats() == before
-    assert llm.cache.num_free == 1
+    assert llm.slots.num_free == 1
     good = s.submit_request([1, 2], greedy(2))
     assert good > ok
     drain(s)
@@ -305,4 +305,4 @@ def test_callbacks_may_submit_and_cancel(make_llm, wait_until):
     assert result is not None and result.finish_reason == "cancelled"
     assert [s.poll_result(rid, timeout_ms=10_000).finish_reason for rid in chain] == ["length"] * 5
     assert dict(cb.count) == {rid: 1 for rid in chain[:5]}
-    assert llm.cache.num_free == 2
+    assert llm.slots.num_free == 2

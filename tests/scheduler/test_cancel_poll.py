@@ -38,7 +38,7 @@ def test_cancel_waiting_request(make_llm, recorder, drain):
     assert all(tokens != [200, 201, 202] for _, seqs in rec.calls for _, _, tokens in seqs)
     assert s.poll_result(running).finish_reason == "length"
     assert len(seen) == 1
-    assert s.get_stats().cancelled == 1 and llm.cache.num_free == 1
+    assert s.get_stats().cancelled == 1 and llm.slots.num_free == 1
 
 
 def test_cancel_running_request_frees_its_slot(make_llm, recorder, drain):
@@ -51,10 +51,10 @@ def test_cancel_running_request_frees_its_slot(make_llm, recorder, drain):
     victim = s.submit_request([1, 2, 3], greedy(10))
     queued = s.submit_request([4, 5], greedy(2))
     s.step()
-    assert llm.cache.num_free == 0
+    assert llm.slots.num_free == 0
 
     assert s.cancel_request(victim) is True
-    assert llm.cache.num_free == 1
+    assert llm.slots.num_free == 1
     assert (s.get_stats().waiting, s.get_stats().running) == (1, 0)
     result = s.poll_result(victim)
     assert result.finish_reason == "cancelled" and len(result.token_ids) == 1
@@ -63,7 +63,7 @@ def test_cancel_running_request_frees_its_slot(make_llm, recorder, drain):
     assert [(d, [t for _, _, t in seqs]) for d, seqs in rec.calls[calls_before:]][0] == (False, [[4, 5]])
     assert all(len(seqs) == 1 for _, seqs in rec.calls[calls_before:])
     assert s.poll_result(queued).finish_reason == "length"
-    assert llm.cache.num_free == 1
+    assert llm.slots.num_free == 1
 
 
 def test_cancel_running_request_during_forward(make_llm, gate):
@@ -80,7 +80,7 @@ def test_cancel_running_request_during_forward(make_llm, gate):
     g.opened.set()
     result = s.poll_result(rid, timeout_ms=10_000)
     assert result is not None and result.finish_reason == "cancelled"
-    assert llm.cache.num_free == 2
+    assert llm.slots.num_free == 2
 
 
 def test_cancel_unknown_finished_or_collected_returns_false(make_llm, drain):

@@ -74,10 +74,10 @@ def test_one_failing_request_leaves_its_batch_mates_exact(checkpoint_dir, serial
             if i != VICTIM:
                 assert got.finish_reason == want.finish_reason == "length", i
                 assert (got.token_ids, got.logprobs) == (want.token_ids, want.logprobs), i
-        assert llm.cache.num_free == len(PROMPTS)
+        assert llm.slots.num_free == len(PROMPTS)
         stats = s.get_stats()
         assert (stats.errored, stats.finished, stats.running, stats.waiting) == (1, len(PROMPTS) - 1, 0, 0)
-        assert llm.cache.slot_tokens[VICTIM] == []  # a failed request's slot claims no contents
+        assert llm.slots.held_tokens(VICTIM) == []  # a failed request's slot claims no contents
 
 
 def test_sampler_fault_after_a_recurrent_forward_restores_states(checkpoint_dir, serial_runs, monkeypatch, drain):
@@ -114,7 +114,7 @@ def test_non_finite_logits_end_a_serial_request_with_error(tiny_checkpoint, monk
     fault.phase = "none"
     ok = llm.generate([1, 2], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert ok.finish_reason == "length" and ok.token_ids[:2] == result.token_ids
-    assert llm.cache.num_free == llm.cache.num_slots
+    assert llm.slots.num_free == llm.cache.num_slots
 
 
 def test_keyboard_interrupt_in_a_forward_propagates_and_loses_no_request(tiny_checkpoint, monkeypatch, drain):
@@ -147,4 +147,4 @@ def test_keyboard_interrupt_in_a_forward_propagates_and_loses_no_request(tiny_ch
         drain(s)
         assert [s.poll_result(rid).finish_reason for rid in first] == ["error", "error"]
         assert s.poll_result(late).finish_reason == "length"
-        assert llm.cache.num_free == len(PROMPTS)
+        assert llm.slots.num_free == len(PROMPTS)

@@ -46,33 +46,33 @@ def test_waiting_running_finished_step_by_step(make_llm, drain):
     r2 = s.submit_request([6], greedy(3))
     assert counts(s) == (3, 0)
     assert [status(s, r) for r in (r0, r1, r2)] == [RequestStatus.WAITING] * 3
-    assert llm.cache.num_free == 2
+    assert llm.slots.num_free == 2
 
     s.step()  # admit r0, r1; prefill both (1 token each)
     assert counts(s) == (1, 2)
     assert [status(s, r) for r in (r0, r1, r2)] == [RequestStatus.RUNNING, RequestStatus.RUNNING,
                                                     RequestStatus.WAITING]
-    assert llm.cache.num_free == 0
+    assert llm.slots.num_free == 0
     assert all(s.poll_result(r) is None for r in (r0, r1, r2))
 
     s.step()  # decode r0 (2nd token: done, slot freed), r1; r2 still waits: admission is at step start
     assert counts(s) == (1, 1)
     assert status(s, r0) is RequestStatus.FINISHED and status(s, r2) is RequestStatus.WAITING
-    assert llm.cache.num_free == 1
+    assert llm.slots.num_free == 1
     res0 = s.poll_result(r0)
     assert res0.finish_reason == "length" and len(res0.token_ids) == 2
 
     s.step()  # admit r2 into the freed slot
     assert counts(s) == (0, 2)
     assert status(s, r2) is RequestStatus.RUNNING
-    assert llm.cache.num_free == 0
+    assert llm.slots.num_free == 0
 
     s.step()  # r1 reaches 4 tokens
     assert counts(s) == (0, 1)
     s.step()  # r2 reaches 3 tokens
     assert counts(s) == (0, 0)
     assert not s.has_work
-    assert llm.cache.num_free == 2
+    assert llm.slots.num_free == 2
     res1, res2 = s.poll_result(r1), s.poll_result(r2)
     assert (len(res1.token_ids), len(res2.token_ids)) == (4, 3)
     assert res1.finish_reason == res2.finish_reason == "length"
@@ -110,11 +110,11 @@ def test_at_most_max_batch_size_running(make_llm, recorder, drain):
         s.step()
         stats = s.get_stats()
         assert stats.running <= n
-        assert stats.running + llm.cache.num_free == n
+        assert stats.running + llm.slots.num_free == n
     for _, seqs in rec.calls:
         slots = [slot for slot, _, _ in seqs]
         assert len(seqs) <= n and len(set(slots)) == len(slots) and set(slots) <= set(range(n))
-    assert llm.cache.num_free == n
+    assert llm.slots.num_free == n
     assert all(s.poll_result(i).finish_reason == "length" for i in ids)
     assert drain(s) == 0
 
@@ -173,7 +173,7 @@ def test_max_tokens_one_finishes_at_prefill_never_decoded(make_llm, recorder):
     for rid in (one_a, one_b):
         result = s.poll_result(rid)
         assert result.finish_reason == "length" and len(result.token_ids) == 1
-    assert llm.cache.num_free == 2
+    assert llm.slots.num_free == 2
     assert s.get_stats().running == 1
     while s.has_work:
         s.step()
@@ -226,7 +226,7 @@ def test_finish_reason_stop_on_stop_token(make_llm, drain):
     result = s.poll_result(rid)
     assert result.finish_reason == "stop"
     assert result.token_ids == reference.token_ids[:k + 1]
-    assert s.cache.num_free == s.cache.num_slots
+    assert s.slots.num_free == s.cache.num_slots
 
 
 def test_finish_reason_stop_on_eos_unless_ignore_eos(tmp_path):
@@ -265,7 +265,7 @@ def test_prompt_plus_max_tokens_equal_to_max_seq_len_runs_to_completion(make_llm
     drain(s)
     assert s.poll_result(rid).finish_reason == "length"
     assert len(s.poll_result(other).token_ids) == 1
-    assert llm.cache.num_free == 2
+    assert llm.slots.num_free == 2
 
 
 @pytest.mark.parametrize("max_batch_size", [1, 3])

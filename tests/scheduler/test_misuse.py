@@ -104,7 +104,7 @@ def test_an_admission_that_raises_ends_that_request_in_error_and_the_rest_run(ti
         assert "planted admission failure" in results[0].error
         stats = s.get_stats()
         assert (stats.errored, stats.finished, stats.waiting, stats.running, stats.uncollected) == (1, 2, 0, 0, 0)
-        assert llm.cache.num_free == llm.cache.num_slots
+        assert llm.slots.num_free == llm.cache.num_slots
 
 
 def test_a_failed_prefix_copy_frees_the_slot_it_took(tiny_checkpoint, monkeypatch):
@@ -120,7 +120,7 @@ def test_a_failed_prefix_copy_frees_the_slot_it_took(tiny_checkpoint, monkeypatc
         copy = s.submit_request(prompt, _params(2))
         drain(s)
         assert s.poll_result(copy).finish_reason == "error" and s.poll_result(donor).finish_reason == "length"
-        assert llm.cache.num_free == llm.cache.num_slots
+        assert llm.slots.num_free == llm.cache.num_slots
 
 
 # -- 2. a callback on the scheduler thread may wait for the scheduler ----------------------------------

@@ -31,17 +31,18 @@ def _params(max_tokens: int, seed: int) -> SamplingParams:
 @torch.inference_mode()
 def _fresh_layer0_keys(llm: LLM, tokens: list[int]) -> torch.Tensor:
     """Layer-0 keys of `tokens` prefilled from position 0 in a spare slot (which is freed again)."""
-    slot = llm.cache.allocate()
+    slot = llm.slots.allocate()
     try:
         llm.model.forward(ForwardBatch.build([slot], [0], [tokens], False, "cpu"), llm.cache)
         return llm.cache.k[0][slot, :len(tokens)].clone()
     finally:
-        llm.cache.free(slot, [])
+        llm.slots.free(slot, [])
 
 
 def _slot_of(llm: LLM, remembered: list[int]) -> int:
-    matches = [s for s, tokens in enumerate(llm.cache.slot_tokens) if tokens == remembered]
-    assert len(matches) == 1, (remembered, llm.cache.slot_tokens)
+    held = [llm.slots.held_tokens(slot) for slot in range(llm.cache.num_slots)]
+    matches = [s for s, tokens in enumerate(held) if tokens == remembered]
+    assert len(matches) == 1, (remembered, held)
     return matches[0]
 
 
@@ -60,7 +61,7 @@ def test_freed_slot_remembers_the_tokens_whose_kv_it_holds_serial(tiny_checkpoin
         for seed, (prompt, n) in enumerate(zip(PROMPTS, MAX_TOKENS)):
             result = llm.generate(prompt_tokens=prompt, sampling_params=_params(n, seed))
             assert len(result.token_ids) == n
-            assert llm.cache.num_free == llm.cache.num_slots
+            assert llm.slots.num_free == llm.cache.num_slots
             _check_remembered(llm, prompt, result.token_ids)
     finally:
         llm.close()
@@ -73,7 +74,7 @@ def test_freed_slot_remembers_the_tokens_whose_kv_it_holds_batched(tiny_checkpoi
     try:
         params = [_params(n, seed) for seed, n in enumerate(MAX_TOKENS)]
         results = llm.generate(prompt_tokens=PROMPTS, sampling_params=params)
-        assert llm.cache.num_free == len(PROMPTS) + 1
+        assert llm.slots.num_free == len(PROMPTS) + 1
         for prompt, result, n in zip(PROMPTS, results, MAX_TOKENS):
             assert len(result.token_ids) == n
             _check_remembered(llm, prompt, result.token_ids)
@@ -87,15 +88,15 @@ def test_reused_slot_forgets_the_previous_tenant(tiny_checkpoint):
     llm = _engine(tiny_checkpoint, batching=True, max_batch_size=1)
     try:
         first = llm.generate(prompt_tokens=[3, 4, 5, 6], sampling_params=_params(3, 1))
-        assert llm.cache.slot_tokens[0] == [3, 4, 5, 6] + first.token_ids[:-1]
+        assert llm.slots.held_tokens(0) == [3, 4, 5, 6] + first.token_ids[:-1]
         scheduler = llm.scheduler
         request_id = scheduler.submit_request([8, 9], _params(2, 2))
         scheduler.step()  # admitted and prefilled: one token drawn, one more to go
-        assert llm.cache.slot_tokens[0] == []
+        assert llm.slots.held_tokens(0) == []
         scheduler.step()
         second = scheduler.poll_result(request_id)
         assert second is not None and len(second.token_ids) == 2
-        assert llm.cache.slot_tokens[0] == [8, 9] + second.token_ids[:1]
+        assert llm.slots.held_tokens(0) == [8, 9] + second.token_ids[:1]
     finally:
         llm.close()
 
@@ -112,7 +113,7 @@ def test_cancelled_request_slot_remembers_what_was_computed(tiny_checkpoint):
         assert scheduler.cancel_request(request_id)
         result = scheduler.poll_result(request_id)
         assert result.finish_reason == "cancelled" and len(result.token_ids) == 2
-        assert llm.cache.slot_tokens[0] == [10, 11, 12, result.token_ids[0]]
+        assert llm.slots.held_tokens(0) == [10, 11, 12, result.token_ids[0]]
     finally:
         llm.close()
 

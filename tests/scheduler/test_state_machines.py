@@ -291,7 +291,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self._collect(rid, self.s.poll_result(rid))
             stats = self.s.get_stats()
             assert (stats.waiting, stats.running, stats.uncollected, stats.swap_bytes_held) == (0, 0, 0, 0)
-            assert self.llm.cache.num_free == self.llm.cache.num_slots and self.s.slots.swap_reserved == 0
+            assert self.llm.slots.num_free == self.llm.cache.num_slots and self.s.slots.swap_reserved == 0
             with self.mutex:
                 for rid, items in self.pushed.items():
                     if not items:  # no callbacks (generate() from a rule)
@@ -318,7 +318,7 @@ class CallerDrivenMachine(SchedulerMachine):
     @invariant()
     def slots_and_swap_accounted(self):
         stats = self.s.get_stats()
-        assert self.llm.cache.num_free == self.llm.cache.num_slots - stats.running
+        assert self.llm.slots.num_free == self.llm.cache.num_slots - stats.running
         if stats.swapped_out == 0:
             assert stats.swap_bytes_held == 0
         assert stats.swap_bytes_held + self.s.slots.swap_reserved <= self.s.planner.max_swap_bytes
@@ -346,7 +346,7 @@ class BackgroundMachine(SchedulerMachine):
             time.sleep(0.002)
         stats = self.s.get_stats()
         assert stats.running == stats.swapped_out == stats.swap_bytes_held == 0
-        assert self.llm.cache.num_free == self.llm.cache.num_slots
+        assert self.llm.slots.num_free == self.llm.cache.num_slots
 
 
 def _run(machine: type[SchedulerMachine], checkpoint) -> None:

@@ -32,7 +32,7 @@ def test_stop_cancels_waiting_and_running_manual(make_llm):
     assert [r.finish_reason for r in results] == ["cancelled"] * 3
     assert [len(r.token_ids) for r in results] == [1, 1, 0]
     assert sorted(r.request_id for r in seen) == ids
-    assert llm.cache.num_free == 2
+    assert llm.slots.num_free == 2
     stats = s.get_stats()
     assert (stats.waiting, stats.running, stats.cancelled, stats.finished) == (0, 0, 3, 0)
     s.stop()
@@ -78,7 +78,7 @@ def test_stop_with_background_thread_in_flight(make_llm, gate, wait_until, sched
     assert first_result.finish_reason == "cancelled" and len(first_result.token_ids) == 1
     assert queued0.finish_reason == "cancelled" and queued0.token_ids == []
     assert sorted(r.request_id for r in seen) == [first, *queued]
-    assert llm.cache.num_free == 2
+    assert llm.slots.num_free == 2
     stats = s.get_stats()
     assert (stats.waiting, stats.running, stats.cancelled) == (0, 0, 3)
     with pytest.raises(RuntimeError):

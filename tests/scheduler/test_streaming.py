@@ -89,7 +89,7 @@ def test_four_threads_streaming_with_cancellation_mid_stream(tiny_checkpoint):
         assert failures == []
         stats = llm.scheduler.get_stats()
         assert stats.finished + stats.cancelled == 24 and stats.errored == 0
-        assert llm.cache.num_free == 4 and not llm.scheduler.has_work
+        assert llm.slots.num_free == 4 and not llm.scheduler.has_work
 
 
 def test_on_token_callback_gets_every_token_in_order(tiny_checkpoint):

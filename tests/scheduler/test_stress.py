@@ -111,7 +111,7 @@ def test_concurrent_submit_cancel_poll(tiny_checkpoint, scheduler_threads):
         with callback_lock:  # callbacks run just after the result is published
             assert callback_lock.wait_for(lambda: len(callback_results) == len(ids), timeout=10)
         stats = s.get_stats()
-        assert llm.cache.num_free == MAX_BATCH
+        assert llm.slots.num_free == MAX_BATCH
         assert (stats.waiting, stats.running) == (0, 0)
         assert not s.has_work
     finally:
