@@ -77,19 +77,21 @@ class LLM:
         batch_invariant = _on_own_thread(self._build) if engine_thread else self._build()
         self.tokenizer: Tokenizer | None = load_tokenizer(args.model)
         self._ids = itertools.count()
+        exact_positions = self._exact_positions(batch_invariant)
         self.scheduler: BatchScheduler | None = None
         if engine.enable_batching:
             cfg = self.model_config
             self.scheduler = BatchScheduler(self.runner, self.cache, cfg.vocab_size, args.max_seq_len,
                                             cfg.eos_token_ids, engine.background_thread, engine.record_timeline,
                                             request_ids=self._ids, policy=self.policy, max_waiting=engine.max_waiting,
-                                            max_swap_bytes=engine.max_swap_bytes, detokenize=self._detokenizer())
+                                            max_swap_bytes=engine.max_swap_bytes, detokenize=self._detokenizer(),
+                                            reuse_decoded=exact_positions)
             weakref.finalize(self, self.scheduler.stop)
         # What the slots hold: the scheduler's manager when batched, one for the serial path else.
         self.slots = self.scheduler.slots if self.scheduler is not None else SlotManager(self.cache, self.policy)
         self.capabilities = Capabilities(self.scheduler is not None, args.backend, args.max_batch_size,
                                          args.max_seq_len, batch_invariant, self.cache.nbytes,
-                                         self._snapshot_bytes_per_slot(), self._exact_positions(batch_invariant))
+                                         self._snapshot_bytes_per_slot(), exact_positions)
 
     def _detokenizer(self) -> Callable[[list[int]], str] | None:
         """token ids -> text as results show it (special tokens skipped), or None without a tokenizer."""

@@ -52,10 +52,11 @@ class BatchScheduler(SchedulerLoop):
                  eos_token_ids: tuple[int, ...] = (), background_thread: bool = True, record_timeline: bool = False,
                  request_ids: Iterator[int] | None = None, policy: PrefillPolicy | None = None,
                  max_waiting: int = 0, max_swap_bytes: int = 0,
-                 detokenize: Callable[[list[int]], str] | None = None) -> None:
+                 detokenize: Callable[[list[int]], str] | None = None, reuse_decoded: bool = False) -> None:
         """`max_waiting`: submissions refused (or made to wait) beyond this many waiting requests;
         `max_swap_bytes`: host memory preempted requests may hold (0: no limit, for both).
-        `detokenize`: token ids -> text; with it, results and token deltas carry text."""
+        `detokenize`: token ids -> text; with it, results and token deltas carry text.
+        `reuse_decoded`: positions written by decode steps are reusable too (exact positions)."""
         policy = policy if policy is not None else PrefillPolicy()
         check_policy(policy, cache.num_slots, max_seq_len, cache.has_states)
         self.runner, self.cache = runner, cache
@@ -67,7 +68,7 @@ class BatchScheduler(SchedulerLoop):
         self._changed = threading.Condition(self._lock)  # pollers, streams and submitters: results, tokens, room
         self._step_lock = threading.Lock()  # one step at a time, whoever calls it
         self.counters = Counters(record_timeline)
-        self.slots = SlotManager(cache, policy)
+        self.slots = SlotManager(cache, policy, reuse_decoded)
         self.planner = Planner(self.slots, policy, self.counters, max_swap_bytes)
         self.delivery = Delivery(self._lock, self.counters, detokenize)
         self._requests: dict[int, Request] = {}  # submitted, result not yet collected

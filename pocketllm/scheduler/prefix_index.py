@@ -2,9 +2,10 @@
 
 A slot's prefilled tokens are registered in blocks of `grid` tokens; block i is keyed by a hash
 chained over blocks 0..i, so one key names a whole prefix. A lookup walks the prompt's chain once
-and collects, per slot, how many leading blocks it shares. Only prefilled positions are registered:
-K/V written by decode steps went through other ops (and the recurrent states are kept only at
-prefill cuts), so reusing them would not reproduce a cold run's bits. Hash collisions cannot cause
+and collects, per slot, how many leading blocks it shares. The slot manager registers prefilled
+positions, and decoded ones only with exact positions: otherwise K/V written by decode steps went
+through other arithmetic (and recurrent states are kept only at prefill cuts), so reusing them would
+not reproduce a cold run's bits. Hash collisions cannot cause
 a wrong reuse: the chosen slot's tokens are compared before it is used.
 """
 
@@ -28,7 +29,7 @@ class PrefixIndex:
         self._tokens: list[list[int]] = [[] for _ in range(num_slots)]  # the tokens those blocks cover
 
     def extend(self, slot: int, tokens: Sequence[int], length: int) -> None:
-        """Register the whole blocks of tokens[:length] that `slot` now holds (prefilled)."""
+        """Register the whole blocks of tokens[:length] that `slot` now holds."""
         keys = self._keys[slot]
         blocks = range(len(keys), length // self.grid)
         for key in _chain(tokens, self.grid, blocks, keys[-1] if keys else 0):

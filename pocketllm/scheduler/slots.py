@@ -11,8 +11,9 @@ it still holds (`held_tokens`).
 Prefix reuse: a new request takes the slot whose contents share the longest reusable prefix
 with its prompt (free slots first at equal length, then the least recently used); when the best
 donor is busy, the prefix is copied into a free slot instead. The reused length is rounded down
-to the policy's reuse grid, and only prefilled positions are ever reused (see `PrefixIndex`), so
-the rest of the prompt runs the pieces, and gets the bits, of a cold run.
+to the policy's reuse grid, and only prefilled positions are reused (see `PrefixIndex`), so the
+rest of the prompt runs the pieces, and gets the bits, of a cold run; with exact positions
+(`reuse_decoded`) the positions decode steps wrote are reused too, since they hold a prefill's bits.
 """
 
 from __future__ import annotations
@@ -44,9 +45,12 @@ class Placement:
 class SlotManager:
     """Which slots are free, what each holds, and every step of a request's slot lifecycle."""
 
-    def __init__(self, cache: SlotCache, policy: PrefillPolicy) -> None:
+    def __init__(self, cache: SlotCache, policy: PrefillPolicy, reuse_decoded: bool = False) -> None:
         self.cache = cache
         self.policy = policy
+        # Whether decoded positions are reusable: only where they have the bits a prefill would give
+        # them (exact positions, which a model with recurrent states does not have).
+        self.reuse_decoded = reuse_decoded
         self._free = list(range(cache.num_slots))  # least recently used first
         self._held: list[list[int]] = [[] for _ in range(cache.num_slots)]  # per freed slot: its tokens
         self.index = PrefixIndex(cache.num_slots, policy.reuse_grid or 1)  # grid 0: nothing is reused
@@ -159,8 +163,15 @@ class SlotManager:
         if request.finish_reason == "error":
             self._discard(slot)
         else:
+            self._index_decoded(request)
             self.free(slot, request.held_tokens())
         request.slot = None
+
+    def _index_decoded(self, request: Request) -> None:
+        """With `reuse_decoded`, index what decode steps wrote after the prompt (the next turn of a
+        conversation reuses the previous answer too)."""
+        if self.reuse_decoded and request.assigned_slot not in self._unindexed and not request.prefilling:
+            self.index.extend(request.assigned_slot, request.held_tokens(), request.num_cached)
 
     def _discard(self, slot: int) -> None:
         """Free a slot whose contents may be wrong: nothing in it is reused."""
@@ -199,6 +210,7 @@ class SlotManager:
         contents stay reusable)."""
         slot = request.assigned_slot
         request.swapped = self.cache.swap_out(slot, request.num_cached)
+        self._index_decoded(request)
         self.free(slot, request.held_tokens())
         request.slot = None
         self.swap_held += request.swapped.nbytes

@@ -188,6 +188,28 @@ def test_swapped_requests_still_score_as_they_generated(wide_checkpoint):
         assert r.logprobs == sc.prompt_logprobs[len(prompt):]
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+def test_the_next_turn_reuses_the_previous_answer(tiny_checkpoint, backend):
+    """Turn 2 extends turn 1's prompt and answer (torch: 100 + 40 tokens): with exact positions it
+    reuses the grid below both (128, decoded positions among them) and gets the bits of a cold run;
+    without, only the grid below the prompt's end (64)."""
+    path, prompt_len, answer = tiny_checkpoint, *((100, 40) if backend == "torch" else (70, 2))
+    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+    prompt = [(5 * i + 1) % 200 for i in range(prompt_len)]
+    reused = {}
+    for exact in (True, False):
+        llm = _engine(path, backend, exact=exact, batched=True, max_batch_size=2, prefill_chunk_size=64,
+                      state_snapshot_interval=64)
+        first = llm.generate(prompt, greedy(answer))
+        second_prompt = prompt + first.token_ids + [7] * 3
+        second = llm.generate(second_prompt, greedy(3))
+        reused[exact] = llm.scheduler.get_stats().prefix_tokens_reused
+        cold = _engine(path, backend, exact=exact).generate(second_prompt, greedy(3))
+        assert (second.token_ids, second.logprobs) == (cold.token_ids, cold.logprobs)
+    grid = lambda n: n // 64 * 64  # noqa: E731
+    assert reused == {True: grid(prompt_len + answer - 1), False: grid(prompt_len)}
+
+
 def test_capabilities_say_where_positions_are_exact(tiny_checkpoint, checkpoint_dir):
     """On by default on triton, off on torch (its exact prefill costs ~4x), never on a Gated
     DeltaNet hybrid (its decode step and chunked prefill round differently), nor with invariance off."""
