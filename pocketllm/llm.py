@@ -85,7 +85,7 @@ class LLM:
                                             cfg.eos_token_ids, engine.background_thread, engine.record_timeline,
                                             request_ids=self._ids, policy=self.policy, max_waiting=engine.max_waiting,
                                             max_swap_bytes=engine.max_swap_bytes, detokenize=self._detokenizer(),
-                                            reuse_decoded=exact_positions)
+                                            exact_positions=exact_positions)
             weakref.finalize(self, self.scheduler.stop)
         # What the slots hold: the scheduler's manager when batched, one for the serial path else.
         self.slots = self.scheduler.slots if self.scheduler is not None else SlotManager(self.cache, self.policy)

@@ -52,13 +52,14 @@ class BatchScheduler(SchedulerLoop):
                  eos_token_ids: tuple[int, ...] = (), background_thread: bool = True, record_timeline: bool = False,
                  request_ids: Iterator[int] | None = None, policy: PrefillPolicy | None = None,
                  max_waiting: int = 0, max_swap_bytes: int = 0,
-                 detokenize: Callable[[list[int]], str] | None = None, reuse_decoded: bool = False) -> None:
+                 detokenize: Callable[[list[int]], str] | None = None, exact_positions: bool = False) -> None:
         """`max_waiting`: submissions refused (or made to wait) beyond this many waiting requests;
         `max_swap_bytes`: host memory preempted requests may hold (0: no limit, for both).
         `detokenize`: token ids -> text; with it, results and token deltas carry text.
-        `reuse_decoded`: positions written by decode steps are reusable too (exact positions)."""
+        `exact_positions`: the op table gives a position the same bits decoded or prefilled at any cut,
+        so decoded positions are reusable and a prompt is cut where the step's budget runs out."""
         policy = policy if policy is not None else PrefillPolicy()
-        check_policy(policy, cache.num_slots, max_seq_len, cache.has_states)
+        check_policy(policy, cache.num_slots, max_seq_len, cache.has_states, exact_positions)
         self.runner, self.cache = runner, cache
         self.vocab_size, self.max_seq_len, self.eos_token_ids = vocab_size, max_seq_len, eos_token_ids
         self.max_waiting = max_waiting
@@ -68,8 +69,8 @@ class BatchScheduler(SchedulerLoop):
         self._changed = threading.Condition(self._lock)  # pollers, streams and submitters: results, tokens, room
         self._step_lock = threading.Lock()  # one step at a time, whoever calls it
         self.counters = Counters(record_timeline)
-        self.slots = SlotManager(cache, policy, reuse_decoded)
-        self.planner = Planner(self.slots, policy, self.counters, max_swap_bytes)
+        self.slots = SlotManager(cache, policy, reuse_decoded=exact_positions)
+        self.planner = Planner(self.slots, policy, self.counters, max_swap_bytes, cut_at_budget=exact_positions)
         self.delivery = Delivery(self._lock, self.counters, detokenize)
         self._requests: dict[int, Request] = {}  # submitted, result not yet collected
         self._detached: set[int] = set()  # ids whose results nobody collects: dropped once they end
@@ -245,7 +246,7 @@ class BatchScheduler(SchedulerLoop):
         reusable when the reuse grid and snapshot interval are unchanged, and is forgotten else."""
         if not isinstance(policy, PrefillPolicy):
             raise TypeError(f"configure() takes a PrefillPolicy, got {type(policy).__name__}")
-        check_policy(policy, self.cache.num_slots, self.max_seq_len, self.cache.has_states)
+        check_policy(policy, self.cache.num_slots, self.max_seq_len, self.cache.has_states, self.planner.cut_at_budget)
         with self._step_lock, self._lock:
             if self._busy():
                 raise RuntimeError("configure() needs an idle scheduler: requests are waiting or running")

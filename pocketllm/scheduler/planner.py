@@ -5,7 +5,9 @@ a decode row for every running request that has sampled, then prefill pieces in 
 first of the requests still prefilling, then of waiting ones as free slots admit them (a new
 request at its best prefix placement, a preempted one swapped back in). A prompt is cut only where
 the policy's request-local grid says, never where the budget runs out, so a long prompt does not
-stall the running requests for its whole prefill and its bits do not move. Before that, it swaps
+stall the running requests for its whole prefill and its bits do not move; with exact positions
+(`cut_at_budget`), where a position's bits do not depend on the cut, a piece that does not fit is
+cut where the budget runs out instead of waiting for the next step. Before that, it swaps
 out what must make room (preempt() asked for it, or a waiting request outranks a running one and
 no slot is free). It has no lock and no thread: the facade calls it under its own lock.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
+from ..runner import SequenceInput
 from .execute import Outcome, Work
 from .policy import PrefillPolicy
 from .request import Request, RequestStatus
@@ -23,8 +26,10 @@ from .stats import Counters
 
 
 class Planner:
-    def __init__(self, slots: SlotManager, policy: PrefillPolicy, counters: Counters, max_swap_bytes: int) -> None:
+    def __init__(self, slots: SlotManager, policy: PrefillPolicy, counters: Counters, max_swap_bytes: int,
+                 cut_at_budget: bool = False) -> None:
         self.slots = slots
+        self.cut_at_budget = cut_at_budget
         self.policy = policy
         self.counters = counters
         self.max_swap_bytes = max_swap_bytes  # 0: no limit
@@ -50,8 +55,8 @@ class Planner:
         budget = self.policy.max_num_batched_tokens - len(work)
         for request in live:
             if request.prefilling:
-                piece = request.prefill_input(self.policy)
-                if len(piece.token_ids) > budget:
+                piece = self._piece(request, budget)
+                if piece is None:
                     return work
                 budget -= len(piece.token_ids)
                 work.append((request, piece))
@@ -63,12 +68,24 @@ class Planner:
             except Exception as exc:  # it ends "error" (a slot it took is freed); the rest still run
                 self._fail_admission(request, exc)
                 continue
-            item = request.next_input(self.policy)
+            item = request.decode_input() if not request.prefilling else self._piece(request, budget)
+            assert item is not None  # _admit checked that it fits
             budget -= len(item.token_ids)
             work.append((request, item))
         for request, item in work:
             request.in_flight = item
         return work
+
+    def _piece(self, request: Request, budget: int) -> SequenceInput | None:
+        """The request's next prefill piece within `budget` tokens: its policy piece, cut at the
+        budget with `cut_at_budget`; None when it does not fit."""
+        piece = request.prefill_input(self.policy)
+        if len(piece.token_ids) <= budget:
+            return piece
+        return request.prefill_input(self.policy, limit=budget) if self.cut_at_budget and budget > 0 else None
+
+    def _fits(self, piece_len: int, budget: int) -> bool:
+        return piece_len <= budget or (self.cut_at_budget and budget > 0)
 
     def _admit(self, request: Request, budget: int) -> bool:
         """Move the first waiting request into a free slot if its next input fits in `budget`."""
@@ -76,12 +93,12 @@ class Planner:
             if request.swapped_step == self.counters.steps:  # swapped out this very step: not back yet
                 return False
             cost = 1 if request.token_ids else self.policy.piece_len(request.num_prefilled, len(request.prompt_tokens))
-            if cost > budget:
+            if not self._fits(cost, budget):
                 return False
             self.slots.swap_in(request)
         else:
             placement = self.slots.place(request.prompt_tokens, reuse=not request.scores_prompt)
-            if self.policy.piece_len(placement.reused, len(request.prompt_tokens)) > budget:
+            if not self._fits(self.policy.piece_len(placement.reused, len(request.prompt_tokens)), budget):
                 return False
             self.slots.admit(request, placement)
             if placement.reused:

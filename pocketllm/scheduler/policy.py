@@ -76,18 +76,26 @@ class PrefillPolicy:
         return min(shared, prompt_len - 1) // grid * grid
 
 
-def check_policy(policy: PrefillPolicy, max_batch_size: int, max_seq_len: int, keeps_states: bool) -> None:
+def check_policy(policy: PrefillPolicy, max_batch_size: int, max_seq_len: int, keeps_states: bool,
+                 cuts_at_budget: bool = False) -> None:
     """ValueError unless the scheduler can run on `policy`, wherever the policy was built (the
     engine's options or `configure()`): every step can decode every running request and run one
-    whole piece (otherwise a prompt could wait for ever), and a model with recurrent states
-    (`keeps_states`) reuses prefixes only where it keeps their states, the snapshot positions."""
-    piece = policy.max_piece(max_seq_len)
-    need = piece + max_batch_size - 1
-    if policy.max_num_batched_tokens < need:
-        raise ValueError(
-            f"max_num_batched_tokens must be >= {need} (the longest prefill piece, {piece} tokens, plus one decode "
-            f"token for each other slot of max_batch_size={max_batch_size}), got {policy.max_num_batched_tokens}; "
-            f"raise it or lower prefill_chunk_size")
+    whole piece, or with `cuts_at_budget` one prompt token (otherwise a prompt could wait for ever),
+    and a model with recurrent states (`keeps_states`) reuses prefixes only where it keeps their
+    states, the snapshot positions."""
+    if cuts_at_budget:
+        if policy.max_num_batched_tokens < max_batch_size:
+            raise ValueError(f"max_num_batched_tokens must be >= {max_batch_size} (one decode token for each slot of "
+                             f"max_batch_size={max_batch_size}, or a prompt token beside the others), got "
+                             f"{policy.max_num_batched_tokens}")
+    else:
+        piece = policy.max_piece(max_seq_len)
+        need = piece + max_batch_size - 1
+        if policy.max_num_batched_tokens < need:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= {need} (the longest prefill piece, {piece} tokens, plus one "
+                f"decode token for each other slot of max_batch_size={max_batch_size}), got "
+                f"{policy.max_num_batched_tokens}; raise it or lower prefill_chunk_size")
     if keeps_states and policy.prefix_reuse and policy.reuse_grid and not policy.snapshot_interval:
         raise ValueError("prefix_reuse on a model with recurrent states needs snapshot_interval > 0 (the positions "
                          "its states are kept at), got snapshot_interval=0; set prefix_reuse=False or an interval")

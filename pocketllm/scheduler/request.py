@@ -157,11 +157,14 @@ class Request:
     def scores_prompt(self) -> bool:
         return self.params.prompt_logprobs is not None
 
-    def prefill_input(self, policy: PrefillPolicy) -> SequenceInput:
-        """The next piece of the prompt, cut where `policy` says; it samples if it ends the prompt,
-        and a scoring request's piece scores each of its rows against the prompt token after it."""
+    def prefill_input(self, policy: PrefillPolicy, limit: int | None = None) -> SequenceInput:
+        """The next piece of the prompt, cut where `policy` says (and after `limit` tokens); it samples
+        if it ends the prompt, and a scoring request's piece scores each of its rows against the
+        prompt token after it."""
         start, prompt = self.num_prefilled, self.prompt_tokens
         end = policy.piece_end(start, len(prompt))
+        if limit is not None:
+            end = min(end, start + limit)
         targets = prompt[start + 1:end + 1] if self.scores_prompt else []
         return SequenceInput(self.assigned_slot, start, prompt[start:end], self.params, self.seed, decode=False,
                              sample=end == len(prompt), targets=targets)

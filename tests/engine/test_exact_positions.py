@@ -210,6 +210,27 @@ def test_the_next_turn_reuses_the_previous_answer(tiny_checkpoint, backend):
     assert reused == {True: grid(prompt_len + answer - 1), False: grid(prompt_len)}
 
 
+def test_prompts_are_cut_where_the_budget_runs_out_and_keep_their_bits(tiny_checkpoint, monkeypatch):
+    """With exact positions a piece that does not fit is cut at the step's budget (starts off the
+    64-grid), and every request still equals its cold serial run in one piece (no cuts at all)."""
+    from tests.scheduler.harness import RunRecorder
+
+    prompts = [[(13 * i + j) % 250 for i in range(length)] for j, length in enumerate((150, 90, 7, 200))]
+    params = [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=4, seed=2, ignore_eos=True)] * 2
+    cold = _engine(tiny_checkpoint, prefill_chunk_size=0, state_snapshot_interval=0)
+    expected = [_outputs(cold.generate(p, sp)) for p, sp in zip(prompts, params)]
+    llm = _engine(tiny_checkpoint, batched=True, max_batch_size=3, max_num_batched_tokens=66)
+    recorder = RunRecorder(llm, monkeypatch)
+    assert [_outputs(r) for r in llm.generate(prompts, params)] == expected
+    starts = [start for part in recorder.prefills() for _, start, _ in part]
+    assert any(start % 64 for start in starts), starts
+
+
+def _outputs(result) -> tuple:
+    return result.token_ids, result.logprobs, result.top_logprobs, result.finish_reason
+
+
 def test_capabilities_say_where_positions_are_exact(tiny_checkpoint, checkpoint_dir):
     """On by default on triton, off on torch (its exact prefill costs ~4x), never on a Gated
     DeltaNet hybrid (its decode step and chunked prefill round differently), nor with invariance off."""
