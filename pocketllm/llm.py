@@ -148,8 +148,9 @@ class LLM:
         ops = self.model.ops
         cfg = self.model_config
         *body, lm_head = self.model.linear_weights()
+        exact = get_backend(self.args.backend).exact(options.exact_positions)
         report = probe_row_invariance(ops.linear, ops.prefill_linear, ops.rms_norm, ops.silu_and_mul, ops.sample,
-                                      body, lm_head, cfg.hidden_size, cfg.vocab_size)
+                                      body, lm_head, cfg.hidden_size, cfg.vocab_size, exact_positions=exact)
         self.invariance_report = report
         if report.ok:
             logger.info("invariance probe: %s", report.summary())

@@ -12,8 +12,9 @@ the same checkpoint and the same prompts. Per model:
   batching at max_batch_size 8 against transformers' static batches of 8 (left-padded);
 - prefill: TTFT of one 512-token prompt, as prompt tokens/s.
 
-pocketllm runs in each of CONFIGS: the default, per-row decode (the latency configuration), and
-batch invariance off, so the cost of the contract is stated at each point. `--quick` runs the tiny
+pocketllm runs in each of CONFIGS: the default, per-row decode (the latency configuration), exact
+positions on (decoded and prefilled positions bitwise equal) and batch invariance off, so the cost
+of each promise is stated at each point. `--quick` runs the tiny
 presets with small counts (a smoke test of the whole pipeline); the numbers that matter come from
 the full run.
 """
@@ -91,9 +92,11 @@ def _prompt(rng: np.random.Generator, vocab: int, length: int) -> list[int]:
 
 
 # pocketllm's configurations, each measured at every point: the default, the decode strategy for
-# lone requests (see linear_per_row), and the contract switched off (one plain GEMM per batch).
+# lone requests (see linear_per_row), exact positions (see backends._torch), and the contract
+# switched off (one plain GEMM per batch).
 CONFIGS: dict[str, dict[str, Any]] = {"pocketllm": {},
                                       "pocketllm (per-row decode)": {"decode_per_row": True, "exact_positions": False},
+                                      "pocketllm (exact positions)": {"exact_positions": True},
                                       "pocketllm (invariance off)": {"batch_invariant": False}}
 
 

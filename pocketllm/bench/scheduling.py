@@ -12,6 +12,11 @@ each measured on and off in one run, on random weights in the shapes of publishe
   stalls every running request for the whole prefill; on, each step runs at most one chunk.
   Reported: inter-token latency (ITL) of the short requests, p50/p99/max, from the slot timeline
   (the end of each forward that gave them a token), and the long prompt's TTFT.
+- multi_turn: `conversations` chats of `turns` turns, all chats' turn t at once: turn t's prompt is
+  turn t - 1's prompt and answer plus a `user_len`-token message; answers of `new_tokens` greedy
+  tokens. With exact positions (on for this workload), the next turn can reuse the previous
+  answer's decoded positions too. Reported per reuse setting: wall time, turn TTFT p50, tokens
+  reused and prefill tokens run; every turn's tokens are checked equal with reuse on and off.
 
 Both run the torch backend, float32, on the CPU unless --device says otherwise; the scheduler is
 stepped on this thread. Writes scheduling.json, scheduling.md and (with matplotlib) scheduling.png.
@@ -47,10 +52,13 @@ class Size:
     short_tokens: int
     long_len: int
     chunk: int
+    conversations: int
+    turns: int
+    user_len: int
 
 
-SIZES = {"full": Size(("qwen3-0.6b", "qwen3.5-0.8b"), 8, 512, 4, 8, 4, 8, 48, 2048, 256),
-         "quick": Size(("tiny", "qwen3.5-tiny"), 3, 128, 2, 4, 2, 4, 16, 256, 64)}
+SIZES = {"full": Size(("qwen3-0.6b", "qwen3.5-0.8b"), 8, 512, 4, 8, 4, 8, 48, 2048, 256, 4, 4, 32),
+         "quick": Size(("tiny", "qwen3.5-tiny"), 3, 128, 2, 4, 2, 4, 16, 256, 64, 2, 4, 16)}
 SLOTS = 8
 
 
@@ -131,6 +139,35 @@ def long_prompt(path: Path, size: Size, chunked: bool, device: str, seed: int) -
                           if e.request_id in shorts and e.phase == "decode"]}
 
 
+def multi_turn(path: Path, size: Size, reuse: bool, device: str, seed: int) -> dict[str, Any]:
+    """One run of the multi-turn chat workload; reuse on or off, exact positions on in both."""
+    rng = np.random.default_rng(seed)
+    turn_len = size.user_len + size.new_tokens
+    max_seq_len = size.system_len + size.turns * turn_len + 64
+    with _engine(path, max_seq_len, device, enable_prefix_reuse=reuse, exact_positions=True,
+                 prefill_chunk_size=64, state_snapshot_interval=64, max_num_batched_tokens=max_seq_len) as llm:
+        vocab = llm.model_config.vocab_size
+        scheduler = llm.scheduler
+        assert scheduler is not None
+        chats = [rng.integers(0, vocab, size.system_len).tolist() for _ in range(size.conversations)]
+        llm.generate(prompt_tokens=[[1, 2, 3]], sampling_params=_greedy(2))  # warm-up
+        before, ttfts, answers = scheduler.get_stats(), [], []
+        start = time.perf_counter()
+        for _ in range(size.turns):
+            chats = [chat + rng.integers(0, vocab, size.user_len).tolist() for chat in chats]
+            results = llm.generate(prompt_tokens=chats, sampling_params=_greedy(size.new_tokens))
+            ttfts += [r.ttft_s for r in results if r.ttft_s is not None]
+            answers.append([r.token_ids for r in results])
+            chats = [chat + r.token_ids for chat, r in zip(chats, results)]
+        wall = time.perf_counter() - start
+        stats = scheduler.get_stats()
+        exact = llm.capabilities.exact_positions
+    reused = stats.prefix_tokens_reused - before.prefix_tokens_reused
+    return {"prefix_reuse": reuse, "exact_positions": exact, "wall_s": wall, "ttft_p50_s": percentile(ttfts, 50),
+            "prefix_tokens_reused": reused, "prefill_tokens_run": stats.prompt_tokens - before.prompt_tokens - reused,
+            "answers": answers}
+
+
 def run(out: Path, quick: bool, seed: int, device: str, plots: bool) -> str:
     """Both workloads on every preset of the size, on and off; writes the report, returns the Markdown."""
     size = SIZES["quick" if quick else "full"]
@@ -140,7 +177,8 @@ def run(out: Path, quick: bool, seed: int, device: str, plots: bool) -> str:
         path = cached_checkpoint(preset)
         models.append({"preset": preset,
                        "shared_prefixes": [shared_prefixes(path, size, reuse, device, seed) for reuse in (False, True)],
-                       "long_prompt": [long_prompt(path, size, chunked, device, seed) for chunked in (False, True)]})
+                       "long_prompt": [long_prompt(path, size, chunked, device, seed) for chunked in (False, True)],
+                       "multi_turn": _multi_turn_pair(path, size, device, seed)})
     machine["load_average_1min_at_end"] = load_average()
     report = {"machine": machine, "size": asdict(size), "seed": seed, "device": device, "models": models}
     text = markdown(report)
@@ -148,6 +186,16 @@ def run(out: Path, quick: bool, seed: int, device: str, plots: bool) -> str:
     if plots:
         plot(models).savefig(out / "scheduling.png", dpi=120)
     return text
+
+
+def _multi_turn_pair(path: Path, size: Size, device: str, seed: int) -> list[dict[str, Any]]:
+    """The multi-turn workload with reuse off and on; the answers must agree token for token."""
+    runs = [multi_turn(path, size, reuse, device, seed) for reuse in (False, True)]
+    if runs[0]["answers"] != runs[1]["answers"]:
+        raise AssertionError("multi_turn: the answers differ with prefix reuse on and off")
+    for r in runs:
+        del r["answers"]
+    return runs
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -174,6 +222,16 @@ def markdown(report: dict[str, Any]) -> str:
             mode = f"on ({r['chunk']} tokens)" if r["chunked"] else "off"
             lines.append(f"| {m['preset']} | {mode} | {r['itl_p50_s']:.3f} | {r['itl_p99_s']:.3f} | "
                          f"{r['itl_max_s']:.3f} | {r['long_ttft_s']:.3f} |")
+    lines += ["", f"multi_turn: {size['conversations']} conversations x {size['turns']} turns (system prompt "
+                  f"{size['system_len']} tokens, {size['user_len']}-token messages, {size['new_tokens']}-token "
+                  f"answers), exact positions requested; the answers are equal with reuse on and off.", "",
+              "| model | reuse | exact positions | wall s | turn TTFT p50 s | tokens reused | prefill tokens run |",
+              "|---|---|---|---|---|---|---|"]
+    for m in report["models"]:
+        for r in m["multi_turn"]:
+            lines.append(f"| {m['preset']} | {'on' if r['prefix_reuse'] else 'off'} | "
+                         f"{'yes' if r['exact_positions'] else 'no'} | {r['wall_s']:.2f} | {r['ttft_p50_s']:.3f} | "
+                         f"{r['prefix_tokens_reused']} | {r['prefill_tokens_run']} |")
     return "\n".join(lines) + "\n"
 
 

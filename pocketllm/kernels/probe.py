@@ -100,12 +100,22 @@ def _sampler_rows_alike(sample: Callable, vocab_size: int, generator: torch.Gene
     return _rows_alike("sample", run, torch.arange(rows, device=device))
 
 
+def _prefill_rows_are_decode_rows(name: str, linear: Callable, prefill_linear: Callable, weight: torch.Tensor,
+                                  x: torch.Tensor) -> list[str]:
+    """Exact positions: a row prefilled has the bits of the same row decoded."""
+    if torch.equal(prefill_linear(x, weight), linear(x, weight)):
+        return []
+    return [f"{name}: prefill rows differ from the same rows decoded"]
+
+
 def probe_row_invariance(linear: Callable, prefill_linear: Callable, rms_norm: Callable, silu_and_mul: Callable,
                          sample: Callable, body_weights: Sequence[torch.Tensor], lm_head: torch.Tensor,
-                         hidden_size: int, vocab_size: int, seed: int = 0) -> ProbeReport:
+                         hidden_size: int, vocab_size: int, seed: int = 0,
+                         exact_positions: bool = False) -> ProbeReport:
     """Check the row-wise ops on the model's own weights and widths: `linear` on every distinct
-    shape (decode rows and the lm_head), `prefill_linear` on the body's (prefill token rows); the
-    inputs are random, drawn from `seed`."""
+    shape (decode rows and the lm_head), `prefill_linear` on the body's (prefill token rows), and
+    with `exact_positions` that the two give a row the same bits; the inputs are random, drawn
+    from `seed`."""
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
     device, dtype = lm_head.device, lm_head.dtype
@@ -122,7 +132,10 @@ def probe_row_invariance(linear: Callable, prefill_linear: Callable, rms_norm: C
                 n, k = w.shape
                 checks.append(f"{name} {k}->{n}")
                 failures += _misaligned(checks[-1], weights, w.shape)
-                failures += _rows_alike(checks[-1], functools.partial(_apply_linear, fn, w), randn(rows, k))
+                x = randn(rows, k)
+                failures += _rows_alike(checks[-1], functools.partial(_apply_linear, fn, w), x)
+                if exact_positions and fn is prefill_linear:
+                    failures += _prefill_rows_are_decode_rows(checks[-1], linear, prefill_linear, w, x)
         norm_weight = randn(hidden_size)
         checks.append(f"rms_norm {hidden_size}")
         failures += _rows_alike(checks[-1], lambda x: rms_norm(x, norm_weight, 1e-6), randn(PROBE_ROWS, hidden_size))

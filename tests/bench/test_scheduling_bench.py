@@ -1,4 +1,4 @@
-"""`pocketllm bench --scheduling --quick`: both workloads run on and off and the report says what
+"""`pocketllm bench --scheduling --quick`: the three workloads run on and off and the report says what
 each did (no timing is asserted: timings belong to the benchmark's report)."""
 
 from __future__ import annotations
@@ -32,6 +32,15 @@ def test_scheduling_quick_writes_report(tmp_path: Path) -> None:
         assert (unchunked["chunked"], chunked["chunked"]) == (False, True)
         for run in (unchunked, chunked):
             assert 0 < run["itl_p50_s"] <= run["itl_p99_s"] <= run["itl_max_s"] and run["long_ttft_s"] > 0
+        cold, warm = model["multi_turn"]  # the runner checked that their answers agree
+        assert (cold["prefix_reuse"], warm["prefix_reuse"]) == (False, True) and cold["prefix_tokens_reused"] == 0
+        assert warm["prefill_tokens_run"] + warm["prefix_tokens_reused"] == cold["prefill_tokens_run"]
+        assert warm["exact_positions"] == (model["preset"] == "tiny")
+        # Turns 2..4 reuse the grid below the previous prompt, and below its answer with exact positions.
+        turn = size["user_len"] + size["new_tokens"]
+        previous = [size["system_len"] + size["user_len"] + t * turn for t in range(size["turns"] - 1)]
+        answered = [p + size["new_tokens"] - 1 for p in previous] if warm["exact_positions"] else previous
+        assert warm["prefix_tokens_reused"] == size["conversations"] * sum(n // 64 * 64 for n in answered)
     text = (tmp_path / "scheduling.md").read_text()
     assert "| qwen3.5-tiny | on (64 tokens) |" in text and "| tiny | on |" in text
     assert (tmp_path / "scheduling.png").is_file() == (importlib.util.find_spec("matplotlib") is not None)

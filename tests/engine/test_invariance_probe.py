@@ -67,6 +67,22 @@ def test_probe_finds_a_row_count_dependent_linear(field):
     assert any(f.startswith(f"{field} 48->300") for f in report.failures), report.failures
 
 
+def test_probe_with_exact_positions_finds_prefill_rows_that_differ_from_decode_rows():
+    """With exact positions the probe compares a row prefilled with the same row decoded: a
+    prefill_linear that rounds its rows one ulp apart (row invariant itself) fails that check only."""
+    weights = [torch.randn(300, 48), torch.randn(48, 96)]
+    exact = torch_ops(exact_positions=True)
+
+    def probe(ops):
+        return probe_row_invariance(ops.linear, ops.prefill_linear, ops.rms_norm, ops.silu_and_mul, ops.sample,
+                                    weights, torch.randn(300, 48), 48, 300, exact_positions=True)
+
+    assert probe(exact).ok
+    report = probe(dataclasses.replace(exact, prefill_linear=lambda x, w, b=None: torch.nextafter(
+        linear_row_invariant(x, w, b), torch.tensor(float("inf")))))
+    assert report.failures and all("prefill rows differ from the same rows decoded" in f for f in report.failures)
+
+
 def test_probe_finds_a_position_dependent_norm():
     report = _probe(_ops_with(rms_norm=_position_dependent_norm), [torch.randn(300, 48)])
     assert not report.ok and any(f.startswith("rms_norm") for f in report.failures), report.failures
