@@ -198,40 +198,37 @@ def _multi_turn_pair(path: Path, size: Size, device: str, seed: int) -> list[dic
     return runs
 
 
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
 def markdown(report: dict[str, Any]) -> str:
-    size, machine = report["size"], report["machine"]
+    size, machine, models = report["size"], report["machine"], report["models"]
+    on_off = lambda flag: "on" if flag else "off"  # noqa: E731
     lines = [f"# Scheduling: prefix reuse and chunked prefill ({machine['processor']}, {machine['cpu_count']} CPUs, "
              f"torch {machine['torch']}, {report['device']})", "",
              f"shared_prefixes: {size['systems']} system prompts x {size['system_len']} tokens, {size['questions']} "
-             f"questions each, {size['new_tokens']} new tokens, {SLOTS} slots, all submitted at once.", "",
-             "| model | reuse | TTFT p50 s | TTFT p99 s | tokens/s | hits (copies) | tokens reused "
-             "| snapshot bytes/slot max |",
-             "|---|---|---|---|---|---|---|---|"]
-    for m in report["models"]:
-        for r in m["shared_prefixes"]:
-            lines.append(f"| {m['preset']} | {'on' if r['prefix_reuse'] else 'off'} | {r['ttft_p50_s']:.3f} | "
-                         f"{r['ttft_p99_s']:.3f} | {r['tokens_per_s']:.1f} | {r['prefix_hits']} "
-                         f"({r['prefix_copies']}) | {r['prefix_tokens_reused']} | "
-                         f"{r['state_snapshot_bytes_per_slot_max']} |")
+             f"questions each, {size['new_tokens']} new tokens, {SLOTS} slots, all submitted at once.", ""]
+    lines += _table(["model", "reuse", "TTFT p50 s", "TTFT p99 s", "tokens/s", "hits (copies)", "tokens reused",
+                     "snapshot bytes/slot max"],
+                    [[m["preset"], on_off(r["prefix_reuse"]), f"{r['ttft_p50_s']:.3f}", f"{r['ttft_p99_s']:.3f}",
+                      f"{r['tokens_per_s']:.1f}", f"{r['prefix_hits']} ({r['prefix_copies']})",
+                      str(r["prefix_tokens_reused"]), str(r["state_snapshot_bytes_per_slot_max"])]
+                     for m in models for r in m["shared_prefixes"]])
     lines += ["", f"long_prompt: {size['short']} short requests decoding, then a {size['long_len']}-token prompt "
-                  f"arrives; inter-token latency of the short requests.", "",
-              "| model | chunking | ITL p50 s | ITL p99 s | ITL max s | long prompt TTFT s |",
-              "|---|---|---|---|---|---|"]
-    for m in report["models"]:
-        for r in m["long_prompt"]:
-            mode = f"on ({r['chunk']} tokens)" if r["chunked"] else "off"
-            lines.append(f"| {m['preset']} | {mode} | {r['itl_p50_s']:.3f} | {r['itl_p99_s']:.3f} | "
-                         f"{r['itl_max_s']:.3f} | {r['long_ttft_s']:.3f} |")
+                  f"arrives; inter-token latency of the short requests.", ""]
+    lines += _table(["model", "chunking", "ITL p50 s", "ITL p99 s", "ITL max s", "long prompt TTFT s"],
+                    [[m["preset"], f"on ({r['chunk']} tokens)" if r["chunked"] else "off", f"{r['itl_p50_s']:.3f}",
+                      f"{r['itl_p99_s']:.3f}", f"{r['itl_max_s']:.3f}", f"{r['long_ttft_s']:.3f}"]
+                     for m in models for r in m["long_prompt"]])
     lines += ["", f"multi_turn: {size['conversations']} conversations x {size['turns']} turns (system prompt "
                   f"{size['system_len']} tokens, {size['user_len']}-token messages, {size['new_tokens']}-token "
-                  f"answers), exact positions requested; the answers are equal with reuse on and off.", "",
-              "| model | reuse | exact positions | wall s | turn TTFT p50 s | tokens reused | prefill tokens run |",
-              "|---|---|---|---|---|---|---|"]
-    for m in report["models"]:
-        for r in m["multi_turn"]:
-            lines.append(f"| {m['preset']} | {'on' if r['prefix_reuse'] else 'off'} | "
-                         f"{'yes' if r['exact_positions'] else 'no'} | {r['wall_s']:.2f} | {r['ttft_p50_s']:.3f} | "
-                         f"{r['prefix_tokens_reused']} | {r['prefill_tokens_run']} |")
+                  f"answers), exact positions requested; the answers are equal with reuse on and off.", ""]
+    lines += _table(["model", "reuse", "exact positions", "wall s", "turn TTFT p50 s", "tokens reused",
+                     "prefill tokens run"],
+                    [[m["preset"], on_off(r["prefix_reuse"]), "yes" if r["exact_positions"] else "no",
+                      f"{r['wall_s']:.2f}", f"{r['ttft_p50_s']:.3f}", str(r["prefix_tokens_reused"]),
+                      str(r["prefill_tokens_run"])] for m in models for r in m["multi_turn"]])
     return "\n".join(lines) + "\n"
 
 

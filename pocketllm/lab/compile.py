@@ -166,8 +166,7 @@ def capture() -> Iterator[list[tuple[Any, tuple[Any, ...], dict[str, Any]]]]:
 def capture_launches(ops: Sequence[str]) -> list[Launch]:
     """Every launch the op table's launchers of `ops` make at the models' steps (and, for attention,
     the sweep), in step order."""
-    # The triton backend's ops with and without exact positions (they differ in decode attention).
-    tables = [get_ops("triton"), get_ops("triton", exact_positions=False)]
+    tables = [get_ops("triton"), get_ops("triton", exact_positions=False)]  # they differ in decode attention
     launches = []
     for step in model_steps() + sweep_steps():
         for op in ops:
