@@ -1,0 +1,62 @@
+// One register tile of y = x @ W^T: R rows of x by C rows (output columns) of W, in the reduction
+// order that linear.cpp documents. Included once per instruction set by linear.cpp, inside a
+// namespace that defines `Lanes` (16 logical fp32 lanes: zero, load, load_tail, fma, sum) and
+// under that instruction set's `#pragma GCC target`, so the same source yields both variants.
+// Every accumulator acc[r][c] is one output's 16 lanes; the tile shape only groups independent
+// outputs, so it never changes any output's order.
+
+template <int R, int C>
+static void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K,
+                 const float* bias, float* y, int64_t ldy) {
+  typename Lanes::V acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = Lanes::zero();
+  const int64_t k_full = K & ~int64_t(15);
+  for (int64_t k = 0; k < k_full; k += 16) {
+    typename Lanes::V wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = Lanes::load(w + c * ldw + k);
+    for (int r = 0; r < R; ++r) {
+      const typename Lanes::V xv = Lanes::load(x + r * ldx + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = Lanes::fma(xv, wv[c], acc[r][c]);
+    }
+  }
+  if (k_full < K) {  // the tail, zero-padded to 16 lanes: one more FMA step on every lane
+    const int tail = int(K - k_full);
+    typename Lanes::V wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = Lanes::load_tail(w + c * ldw + k_full, tail);
+    for (int r = 0; r < R; ++r) {
+      const typename Lanes::V xv = Lanes::load_tail(x + r * ldx + k_full, tail);
+      for (int c = 0; c < C; ++c) acc[r][c] = Lanes::fma(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      float s = Lanes::sum(acc[r][c]);
+      if (bias != nullptr) s = s + bias[c];
+      y[r * ldy + c] = s;
+    }
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, const float*, float*, int64_t);
+
+// rows 1..4 x columns 1..4
+static const TileFn TILES[4][4] = {
+    {tile<1, 1>, tile<1, 2>, tile<1, 3>, tile<1, 4>},
+    {tile<2, 1>, tile<2, 2>, tile<2, 3>, tile<2, 4>},
+    {tile<3, 1>, tile<3, 2>, tile<3, 3>, tile<3, 4>},
+    {tile<4, 1>, tile<4, 2>, tile<4, 3>, tile<4, 4>},
+};
+
+// Output columns [n0, n1) of every row: for each group of up to 4 rows, each group of up to 4
+// columns. A thread's column range changes which thread computes a column, never how.
+static void columns(const float* x, int64_t M, int64_t ldx, const float* w, int64_t ldw, int64_t K,
+                    const float* bias, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  for (int64_t m = 0; m < M; m += 4) {
+    const int rows = int(M - m < 4 ? M - m : 4);
+    for (int64_t n = n0; n < n1; n += 4) {
+      const int cols = int(n1 - n < 4 ? n1 - n : 4);
+      TILES[rows - 1][cols - 1](x + m * ldx, ldx, w + n * ldw, ldw, K, bias ? bias + n : nullptr,
+                                y + m * ldy + n, ldy);
+    }
+  }
+}
