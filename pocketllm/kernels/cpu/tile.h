@@ -37,26 +37,31 @@ static void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64
     }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, const float*, float*, int64_t);
+// The tile of `rows` x `cols` (at most Lanes::ROWS x Lanes::COLS), found by a search over the
+// instantiations: a few comparisons per tile, against a K loop of K / 16 steps.
+template <int R, int C>
+static void any_tile(int rows, int cols, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K,
+                     const float* bias, float* y, int64_t ldy) {
+  if (rows == R && cols == C) {
+    tile<R, C>(x, ldx, w, ldw, K, bias, y, ldy);
+  } else if constexpr (C > 1) {
+    any_tile<R, C - 1>(rows, cols, x, ldx, w, ldw, K, bias, y, ldy);
+  } else if constexpr (R > 1) {
+    any_tile<R - 1, Lanes::COLS>(rows, cols, x, ldx, w, ldw, K, bias, y, ldy);
+  }
+}
 
-// rows 1..4 x columns 1..4
-static const TileFn TILES[4][4] = {
-    {tile<1, 1>, tile<1, 2>, tile<1, 3>, tile<1, 4>},
-    {tile<2, 1>, tile<2, 2>, tile<2, 3>, tile<2, 4>},
-    {tile<3, 1>, tile<3, 2>, tile<3, 3>, tile<3, 4>},
-    {tile<4, 1>, tile<4, 2>, tile<4, 3>, tile<4, 4>},
-};
-
-// Output columns [n0, n1) of every row: for each group of up to 4 rows, each group of up to 4
-// columns. A thread's column range changes which thread computes a column, never how.
+// Output columns [n0, n1) of every row: for each group of up to ROWS rows, each group of up to
+// COLS columns (the caller keeps [n0, n1) small enough for W's block to stay in cache while every
+// row group reads it). Which columns a call gets changes who computes a column, never how.
 static void columns(const float* x, int64_t M, int64_t ldx, const float* w, int64_t ldw, int64_t K,
                     const float* bias, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  for (int64_t m = 0; m < M; m += 4) {
-    const int rows = int(M - m < 4 ? M - m : 4);
-    for (int64_t n = n0; n < n1; n += 4) {
-      const int cols = int(n1 - n < 4 ? n1 - n : 4);
-      TILES[rows - 1][cols - 1](x + m * ldx, ldx, w + n * ldw, ldw, K, bias ? bias + n : nullptr,
-                                y + m * ldy + n, ldy);
+  for (int64_t m = 0; m < M; m += Lanes::ROWS) {
+    const int rows = int(M - m < Lanes::ROWS ? M - m : Lanes::ROWS);
+    for (int64_t n = n0; n < n1; n += Lanes::COLS) {
+      const int cols = int(n1 - n < Lanes::COLS ? n1 - n : Lanes::COLS);
+      any_tile<Lanes::ROWS, Lanes::COLS>(rows, cols, x + m * ldx, ldx, w + n * ldw, ldw, K,
+                                         bias ? bias + n : nullptr, y + m * ldy + n, ldy);
     }
   }
 }
