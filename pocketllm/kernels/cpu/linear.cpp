@@ -23,7 +23,10 @@ namespace avx512 {
 #pragma GCC target("avx512f,fma")
 struct Lanes {
   using V = __m512;
-  static constexpr int ROWS = 8, COLS = 3;  // register tile: 24 accumulators of 32 registers
+  // Register tiles: up to 8 rows x 3 columns (24 accumulators of 32 registers); 1-2 rows (decode)
+  // take 8 columns, more streams of W in flight.
+  static constexpr int ROWS = 8;
+  static constexpr int cols(int rows) { return rows <= 2 ? 8 : 3; }
   static inline V zero() { return _mm512_setzero_ps(); }
   static inline V load(const float* p) { return _mm512_loadu_ps(p); }
   static inline V load_tail(const float* p, int n) {
@@ -47,7 +50,8 @@ namespace avx2 {
 #pragma GCC target("avx2,fma")
 struct Lanes {
   struct V { __m256 lo, hi; };  // lanes 0-7 and 8-15
-  static constexpr int ROWS = 4, COLS = 1;  // register tile: 8 of 16 registers accumulate
+  static constexpr int ROWS = 4;  // register tile: 4 rows x 1 column, 8 of 16 registers accumulate
+  static constexpr int cols(int) { return 1; }
   static inline V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static inline V load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
   static inline __m256 mask(int n) {  // lane i set when i < n
@@ -94,11 +98,11 @@ static ColumnsFn columns_fn(const std::string& variant) {
 }
 
 // Columns per work item: a block of W of at most ~256 KiB, which stays in L2 while every row group
-// reads it, a multiple of 12 (of every variant's tile width), 12 to 96 columns. It decides which
+// reads it, a multiple of 24 (of every variant's tile widths), 24 to 96 columns. It decides which
 // thread computes a column and when, not how.
 static int64_t block_columns(int64_t K) {
-  const int64_t cols = int64_t(256) * 1024 / (4 * std::max<int64_t>(K, 1)) / 12 * 12;
-  return std::min<int64_t>(96, std::max<int64_t>(12, cols));
+  const int64_t cols = int64_t(256) * 1024 / (4 * std::max<int64_t>(K, 1)) / 24 * 24;
+  return std::min<int64_t>(96, std::max<int64_t>(24, cols));
 }
 
 at::Tensor linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias,

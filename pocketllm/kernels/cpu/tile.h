@@ -37,7 +37,7 @@ static void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64
     }
 }
 
-// The tile of `rows` x `cols` (at most Lanes::ROWS x Lanes::COLS), found by a search over the
+// The tile of `rows` x `cols` (at most Lanes::ROWS x Lanes::cols(rows)), found by a search over the
 // instantiations: a few comparisons per tile, against a K loop of K / 16 steps.
 template <int R, int C>
 static void any_tile(int rows, int cols, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K,
@@ -47,20 +47,21 @@ static void any_tile(int rows, int cols, const float* x, int64_t ldx, const floa
   } else if constexpr (C > 1) {
     any_tile<R, C - 1>(rows, cols, x, ldx, w, ldw, K, bias, y, ldy);
   } else if constexpr (R > 1) {
-    any_tile<R - 1, Lanes::COLS>(rows, cols, x, ldx, w, ldw, K, bias, y, ldy);
+    any_tile<R - 1, Lanes::cols(R - 1)>(rows, cols, x, ldx, w, ldw, K, bias, y, ldy);
   }
 }
 
 // Output columns [n0, n1) of every row: for each group of up to ROWS rows, each group of up to
-// COLS columns (the caller keeps [n0, n1) small enough for W's block to stay in cache while every
+// cols(rows) columns (the caller keeps [n0, n1) small enough for W's block to stay in cache while every
 // row group reads it). Which columns a call gets changes who computes a column, never how.
 static void columns(const float* x, int64_t M, int64_t ldx, const float* w, int64_t ldw, int64_t K,
                     const float* bias, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   for (int64_t m = 0; m < M; m += Lanes::ROWS) {
     const int rows = int(M - m < Lanes::ROWS ? M - m : Lanes::ROWS);
-    for (int64_t n = n0; n < n1; n += Lanes::COLS) {
-      const int cols = int(n1 - n < Lanes::COLS ? n1 - n : Lanes::COLS);
-      any_tile<Lanes::ROWS, Lanes::COLS>(rows, cols, x + m * ldx, ldx, w + n * ldw, ldw, K,
+    const int width = Lanes::cols(rows);
+    for (int64_t n = n0; n < n1; n += width) {
+      const int cols = int(n1 - n < width ? n1 - n : width);
+      any_tile<Lanes::ROWS, Lanes::cols(Lanes::ROWS)>(rows, cols, x + m * ldx, ldx, w + n * ldw, ldw, K,
                                          bias ? bias + n : nullptr, y + m * ldy + n, ldy);
     }
   }
