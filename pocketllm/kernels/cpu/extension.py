@@ -25,7 +25,9 @@ LDFLAGS = ("-fopenmp",)
 # Where the builds go: $POCKETLLM_EXTENSIONS_DIR, else ~/.cache/pocketllm/extensions.
 DIR_ENV = "POCKETLLM_EXTENSIONS_DIR"
 
+# (build directory, compiler) -> the module, or None; and why it is None.
 _LOADED: dict[tuple[str, str], ModuleType | None] = {}
+_REASONS: dict[tuple[str, str], str] = {}
 
 
 def compiler() -> str:
@@ -65,23 +67,23 @@ def _build(directory: Path) -> ModuleType:
 def load_extension(root: Path | None = None) -> ModuleType | None:
     """The compiled module (functions `linear`, `best_variant`), or None after one warning naming
     why it cannot be built. Built at most once per process per build directory and compiler."""
-    directory = build_dir(root)
-    key = (str(directory), compiler())
+    key = (str(build_dir(root)), compiler())
     if key not in _LOADED:
         reason = _missing_tool()
         module = None
         if reason is None:
             try:
-                module = _build(directory)
+                module = _build(Path(key[0]))
             except Exception as exc:  # a compiler error, a linker error, a broken toolchain
                 lines = str(exc).strip().splitlines()
                 reason = f"the build failed: {lines[-1] if lines else type(exc).__name__}"
         if reason is not None:
             warnings.warn(f"pocketllm's C++ CPU kernels are unavailable: {reason}", RuntimeWarning, stacklevel=2)
+            _REASONS[key] = reason
         _LOADED[key] = module
     return _LOADED[key]
 
 
-def unavailable_reason() -> str:
-    """Why `load_extension` returned None, for the error of an op that needs it."""
-    return _missing_tool() or "the build failed (see the warning above)"
+def unavailable_reason(root: Path | None = None) -> str:
+    """Why `load_extension(root)` returned None, for the error of an op that needs it."""
+    return _REASONS.get((str(build_dir(root)), compiler()), "it has not been built")

@@ -106,7 +106,7 @@ static int64_t block_columns(int64_t K) {
 }
 
 at::Tensor linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias,
-                     const std::string& variant) {
+                  const std::string& variant) {
   TORCH_CHECK_VALUE(x.dtype() == at::kFloat && weight.dtype() == at::kFloat,
                     "fixed_order linear takes fp32 x and weight, got ", x.dtype(), " and ", weight.dtype());
   TORCH_CHECK_VALUE(x.device().is_cpu() && weight.device().is_cpu(), "fixed_order linear runs on the CPU");
