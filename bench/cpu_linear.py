@@ -3,8 +3,8 @@ order) against MKL through `linear_row_invariant` (4- and 64-row tiles, the torc
 and prefill products) and plain F.linear (one call, no invariance), median ms per call.
 
     python bench/cpu_linear.py [--threads 2] [--rows 1 4 8 64 512] [--budget 0.5]
-Each cell: one warm-up call of each, then rounds of one call of each (interleaved, so that other
-load on the machine falls on all of them alike) until `--budget` seconds (3 to 30 rounds), median.
+Each cell: one warm-up call of each, then rounds of one call of each (interleaved, each first in
+turn, so that other load on the machine falls on all of them alike) until `--budget` seconds (3 to 30 rounds), median.
 """
 
 from __future__ import annotations
@@ -46,10 +46,11 @@ def median_ms(fns: dict[str, Callable[[], object]], budget: float) -> dict[str, 
         fn()
         first += time.perf_counter() - start
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(max(3, min(30, int(budget / max(first, 1e-6))))):
-        for name, fn in fns.items():
+    names = list(fns)
+    for round_ in range(max(3, min(30, int(budget / max(first, 1e-6))))):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:  # each goes first in turn
             start = time.perf_counter()
-            fn()
+            fns[name]()
             times[name].append(time.perf_counter() - start)
     return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 

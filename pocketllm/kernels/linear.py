@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ._cases import ROWS, randn, rows
 from ._triton import kernel_device_ok, launch_device_type, tl, triton
+from .cpu.extension import load_extension, unavailable_reason
 from .spec import Call, Cost, Layout, OpSpec, Step, size
 
 # Rows per GEMM call of the torch backend, one constant per kind of row, so a row's tile shape
@@ -128,7 +129,6 @@ def linear_fixed_order(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     documented reduction order (16 lanes over K, a fixed tree, then the bias): row invariant, thread
     count and alignment invariant by construction. Raises RuntimeError when the kernel cannot be
     built here; the op never falls back to another product on its own."""
-    from .cpu.extension import load_extension, unavailable_reason
     module = load_extension()
     if module is None:
         raise RuntimeError(f"linear 'fixed_order' needs pocketllm's C++ CPU kernels: {unavailable_reason()}")

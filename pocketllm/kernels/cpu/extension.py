@@ -8,6 +8,7 @@ implementations: `load_extension` then warns once, naming the reason, and return
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -25,9 +26,9 @@ LDFLAGS = ("-fopenmp",)
 # Where the builds go: $POCKETLLM_EXTENSIONS_DIR, else ~/.cache/pocketllm/extensions.
 DIR_ENV = "POCKETLLM_EXTENSIONS_DIR"
 
-# (build directory, compiler) -> the module, or None; and why it is None.
-_LOADED: dict[tuple[str, str], ModuleType | None] = {}
-_REASONS: dict[tuple[str, str], str] = {}
+# _key(root) -> the module, or None; and why it is None.
+_LOADED: dict[tuple[str, str, str], ModuleType | None] = {}
+_REASONS: dict[tuple[str, str, str], str] = {}
 
 
 def compiler() -> str:
@@ -35,13 +36,20 @@ def compiler() -> str:
     return os.environ.get("CXX", "c++")
 
 
-def build_dir(root: Path | None = None) -> Path:
-    """The build directory of these sources, flags and torch version under `root`."""
+@functools.cache
+def _digest() -> str:
+    """A hash of the sources, flags and torch version, read once per process (every call of the op
+    looks the module up by it)."""
     digest = hashlib.sha256(torch.__version__.encode() + " ".join(CFLAGS + LDFLAGS).encode())
     for name in SOURCES:
         digest.update((SOURCE_DIR / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def build_dir(root: Path | None = None) -> Path:
+    """The build directory of these sources, flags and torch version under `root`."""
     base = root or Path(os.environ.get(DIR_ENV) or Path.home() / ".cache" / "pocketllm" / "extensions")
-    return base / f"cpu_linear_{digest.hexdigest()[:16]}"
+    return base / f"cpu_linear_{_digest()}"
 
 
 def _missing_tool() -> str | None:
@@ -64,16 +72,22 @@ def _build(directory: Path) -> ModuleType:
     return module
 
 
+def _key(root: Path | None) -> tuple[str, str, str]:
+    """What decides a build (the root, $POCKETLLM_EXTENSIONS_DIR, the compiler): cheap enough for
+    every call of the op, unlike the build directory's path."""
+    return str(root or ""), os.environ.get(DIR_ENV, ""), compiler()
+
+
 def load_extension(root: Path | None = None) -> ModuleType | None:
     """The compiled module (functions `linear`, `best_variant`), or None after one warning naming
     why it cannot be built. Built at most once per process per build directory and compiler."""
-    key = (str(build_dir(root)), compiler())
+    key = _key(root)
     if key not in _LOADED:
         reason = _missing_tool()
         module = None
         if reason is None:
             try:
-                module = _build(Path(key[0]))
+                module = _build(build_dir(root))
             except Exception as exc:  # a compiler error, a linker error, a broken toolchain
                 lines = str(exc).strip().splitlines()
                 reason = f"the build failed: {lines[-1] if lines else type(exc).__name__}"
@@ -86,4 +100,4 @@ def load_extension(root: Path | None = None) -> ModuleType | None:
 
 def unavailable_reason(root: Path | None = None) -> str:
     """Why `load_extension(root)` returned None, for the error of an op that needs it."""
-    return _REASONS.get((str(build_dir(root)), compiler()), "it has not been built")
+    return _REASONS.get(_key(root), "it has not been built")

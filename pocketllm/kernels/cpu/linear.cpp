@@ -13,6 +13,7 @@
 // holds the 16 lanes in one register, the AVX2 variant in two (lanes 0-7, 8-15), with the same
 // FMA sequence and the same tree, so both give the same bits.
 #include <immintrin.h>
+#include <atomic>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -129,8 +130,12 @@ at::Tensor linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bia
   const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t block = block_columns(K), blocks = (N + block - 1) / block;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) fn(xp, M, K, wp, K, K, bp, yp, N, i * block, std::min(N, (i + 1) * block));
+  // Each thread takes the next block until none is left (a thread that the OS holds back leaves its
+  // share to the others); only who computes a block, and when, depends on it.
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(blocks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < blocks; i = next++)
+      fn(xp, M, K, wp, K, K, bp, yp, N, i * block, std::min(N, (i + 1) * block));
   });
   return y;
 }
