@@ -119,8 +119,9 @@ def linear_per_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out if bias is None else out + bias
 
 
-# The dtypes `linear_fixed_order` takes: fp32, and half precision through an exact fp32 copy (the
-# result rounded once to the input's dtype, so the order stays the kernel's).
+# The dtypes `linear_fixed_order` takes: fp32 (what the engine runs on CPUs), and half precision
+# (the lab's case grid runs every implementation in fp16 too) through an exact fp32 copy, the result
+# rounded once to the input's dtype, so the order stays the kernel's. The kernel itself takes fp32.
 FIXED_ORDER_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
