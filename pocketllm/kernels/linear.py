@@ -11,6 +11,8 @@ alignment whatever the batch, so the BLAS takes the same path for every tile. Wh
 result does not depend on its position inside a tile; `kernels/probe.py` checks exactly that on
 the model's own weights when an engine starts, and the tests re-measure it.
 `linear_triton` is the Triton kernel, row invariant by construction (fixed tiles, no split-K).
+`linear_fixed_order` is the C++ CPU kernel (`kernels/cpu/`), which owns its reduction order: a
+row's bits are a function of its values, W, b and K alone, by construction, with no BLAS involved.
 """
 
 from collections.abc import Callable
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 
 from ._cases import ROWS, randn, rows
 from ._triton import kernel_device_ok, launch_device_type, tl, triton
+from .cpu.extension import load_extension, unavailable_reason
 from .spec import Call, Cost, Layout, OpSpec, Step, size
 
 # Rows per GEMM call of the torch backend, one constant per kind of row, so a row's tile shape
@@ -115,6 +118,28 @@ def linear_per_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
             out[i:i + 1, start:start + block.shape[0]] = product(staged[i:i + 1], block)
     return out if bias is None else out + bias
 
+
+# The dtypes `linear_fixed_order` takes: fp32 (what the engine runs on CPUs), and half precision
+# (the lab's case grid runs every implementation in fp16 too) through an exact fp32 copy, the result
+# rounded once to the input's dtype, so the order stays the kernel's. The kernel itself takes fp32.
+FIXED_ORDER_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def linear_fixed_order(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[M, K] x [N, K] (+ [N]) -> [M, N] by the C++ kernel of `kernels/cpu/linear.cpp`, in its one
+    documented reduction order (16 lanes over K, a fixed tree, then the bias): row invariant, thread
+    count and alignment invariant by construction. Raises RuntimeError when the kernel cannot be
+    built here; the op never falls back to another product on its own."""
+    module = load_extension()
+    if module is None:
+        raise RuntimeError(f"linear 'fixed_order' needs pocketllm's C++ CPU kernels: {unavailable_reason()}")
+    if x.dtype not in FIXED_ORDER_DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"linear 'fixed_order' takes fp32 (or fp16/bf16) x, weight and bias of one dtype, got "
+                         f"{x.dtype}, {weight.dtype}, {None if bias is None else bias.dtype}")
+    if x.dtype == torch.float32:
+        return module.linear(x, weight, bias)
+    out = module.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return out.to(x.dtype)
 
 
 # -- Triton ------------------------------------------------------------------------------------------
@@ -247,4 +272,5 @@ CASES = Layout(
     [({"k": k, "n": n, "bias": bias}, members) for k, n, bias in ((24, 40, False), (67, 33, True))
      for members in ROWS + [[(1, 0)] * 9]])
 OP = OpSpec("linear", Linear, {"ref": linear_ref, "row_invariant": linear_row_invariant, "per_row": linear_per_row,
-                               "triton": linear_triton}, order=60, cases=CASES, launches=_launches, cost=cost)
+                               "fixed_order": linear_fixed_order, "triton": linear_triton},
+            order=60, cases=CASES, launches=_launches, cost=cost)

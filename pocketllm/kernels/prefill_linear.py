@@ -14,6 +14,8 @@ from .spec import Call, OpSpec, Step
 # The same product as `linear`'s reference and kernel: only the torch backend tiles prefill rows apart.
 prefill_linear_ref = linear_ref
 prefill_linear_triton = linear_triton
+# Its order does not depend on the row count, so prefill rows get the bits of the same rows decoded.
+prefill_linear_fixed_order = linear.linear_fixed_order
 
 
 def prefill_linear_row_invariant(x: torch.Tensor, weight: torch.Tensor,
@@ -34,6 +36,7 @@ def _launches(step: Step) -> list[Call]:
 
 
 OP = OpSpec("prefill_linear", Linear, {"ref": prefill_linear_ref, "row_invariant": prefill_linear_row_invariant,
-                                       "decode_tiles": prefill_linear_decode_tiles, "triton": prefill_linear_triton},
+                                       "decode_tiles": prefill_linear_decode_tiles,
+                                       "fixed_order": prefill_linear_fixed_order, "triton": prefill_linear_triton},
             order=70, cases=linear.CASES,
             launches=_launches, cost=linear.cost)

@@ -1,0 +1,83 @@
+"""The CPU linear products at Qwen3-0.6B's shapes: the C++ `fixed_order` kernel (its own reduction
+order) against MKL through `linear_row_invariant` (4- and 64-row tiles, the torch backend's decode
+and prefill products) and plain F.linear (one call, no invariance), median ms per call.
+
+    python bench/cpu_linear.py [--threads 2] [--rows 1 4 8 64 512] [--budget 0.5]
+Each cell: one warm-up call of each, then rounds of one call of each (interleaved, each first in
+turn, so that other load on the machine falls on all of them alike) until `--budget` seconds (3 to 30 rounds), median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from pocketllm.kernels.linear import linear_fixed_order, linear_row_invariant
+
+try:
+    from pocketllm.machine import cpu_name
+except ImportError:  # an older tree
+    def cpu_name() -> str:
+        with open("/proc/cpuinfo") as info:
+            names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
+        return names[0] if names else "unknown CPU"
+
+# (K, N): q/k/v fused, o_proj, gate_up fused, down_proj, lm_head.
+SHAPES = [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024), (1024, 151936)]
+IMPLS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "fixed_order": linear_fixed_order,
+    "mkl_tile4": lambda x, w: linear_row_invariant(x, w, None, 4),
+    "mkl_tile64": lambda x, w: linear_row_invariant(x, w, None, 64),
+    "F.linear": F.linear,
+}
+
+
+def median_ms(fns: dict[str, Callable[[], object]], budget: float) -> dict[str, float]:
+    """Median wall time of each fn() in ms, after one warm-up call, the calls interleaved."""
+    first = 0.0
+    for fn in fns.values():
+        start = time.perf_counter()
+        fn()
+        first += time.perf_counter() - start
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for round_ in range(max(3, min(30, int(budget / max(first, 1e-6))))):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:  # each goes first in turn
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 64, 512])
+    parser.add_argument("--budget", type=float, default=1.0, help="seconds of calls per cell")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"# {cpu_name()}, {args.threads} threads, torch {torch.__version__}", flush=True)
+    header = "| K | N | rows | " + " | ".join(IMPLS) + " | fixed / best MKL |"
+    table = [header, "|" + "---|" * (header.count("|") - 1)]
+    for k, n in SHAPES:
+        weight = torch.randn(n, k) * k ** -0.5
+        for rows in args.rows:
+            x = torch.randn(rows, k)
+            calls: dict[str, Callable[[], object]] = {name: partial(fn, x, weight) for name, fn in IMPLS.items()}
+            cells = median_ms(calls, args.budget)
+            best = min(v for name, v in cells.items() if name != "fixed_order")
+            line = (f"| {k} | {n} | {rows} | " + " | ".join(f"{v:.3f}" for v in cells.values())
+                    + f" | {cells['fixed_order'] / best:.2f} |")
+            print(line, flush=True)
+            table.append(line)
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""CPU kernels in C++, built on first use (`extension.load_extension`)."""

@@ -1,0 +1,160 @@
+"""linear 'fixed_order' (pocketllm/kernels/cpu/): the C++ CPU kernel that owns its reduction order.
+
+- against the formula in float64, and against a float64-emulated run of the documented order
+  (16 FMA lanes over K, the zero-padded tail, the fixed tree, then the bias), bit for bit;
+- a row's bits: the same alone and in any row count 1..64, at any position, at 1 and 2 threads
+  (torch.set_num_threads, which the kernel's at::parallel_for follows), for misaligned and
+  non-contiguous inputs, and the same from the AVX2 variant as from the AVX-512 one;
+- a negative control: the same bitwise check tells a K-split reduction from the kernel's;
+- without a compiler (or with a broken one) the loader warns once, naming why, and returns None,
+  and the op raises instead of falling back.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_cases import threads as threads  # the fixture
+
+from pocketllm.kernels.cpu.extension import load_extension
+from pocketllm.kernels.linear import linear_fixed_order
+from pocketllm.kernels.registry import IMPLEMENTATIONS
+
+EXT = load_extension()
+if EXT is None:
+    pytest.skip("the C++ CPU kernels cannot be built here (no compiler or ninja)", allow_module_level=True)
+VARIANTS = ["avx2"] + (["avx512"] if EXT.best_variant() == "avx512" else [])
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _data(m, n, k, seed=0, bias=True):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) * k ** -0.5
+    return x, w, (torch.randn(n, generator=gen) if bias else None)
+
+
+def _documented_order(x, w, b):
+    """The kernel's order, emulated: fp32 lanes, each FMA as an exact float64 product and sum rounded
+    once to fp32 (exact for these sizes but in the rarest double-rounding cases)."""
+    m, k = x.shape
+    padded = -(-k // 16) * 16
+    xp, wp = F.pad(x, (0, padded - k)).double(), F.pad(w, (0, padded - k)).double()
+    lanes = torch.zeros(m, w.shape[0], 16)
+    for k0 in range(0, padded, 16):
+        lanes = (xp[:, None, k0:k0 + 16] * wp[None, :, k0:k0 + 16] + lanes.double()).float()
+    for half in (8, 4, 2, 1):
+        lanes = lanes[..., :half] + lanes[..., half:2 * half]
+    out = lanes[..., 0]
+    return out if b is None else out + b
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("k", [1, 15, 16, 17, 40, 83, 1029])
+def test_matches_the_formula_and_the_documented_order(variant, k):
+    for m, n, bias in ((1, 1, False), (5, 7, True), (9, 70, True)):
+        x, w, b = _data(m, n, k, seed=k, bias=bias)
+        got = EXT.linear(x, w, b, variant)
+        want = x.double() @ w.double().T + (0 if b is None else b.double())
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got, _documented_order(x, w, b)), (m, n, k)
+
+
+def test_the_op_is_registered_and_handles_dtypes_and_empty_batches():
+    assert IMPLEMENTATIONS["linear"]["fixed_order"] is linear_fixed_order
+    assert IMPLEMENTATIONS["prefill_linear"]["fixed_order"] is linear_fixed_order
+    x, w, b = _data(3, 10, 33)
+    assert linear_fixed_order(x[:0], w, b).shape == (0, 10)
+    assert linear_fixed_order(x, w[:0], b[:0]).shape == (3, 0)
+    half = linear_fixed_order(x.half(), w.half(), b.half())
+    assert half.dtype == torch.float16
+    assert torch.equal(half, linear_fixed_order(x.half().float(), w.half().float(), b.half().float()).half())
+    with pytest.raises(ValueError, match="fp32"):
+        linear_fixed_order(x.double(), w.double())
+    with pytest.raises(ValueError, match="fp32"):
+        EXT.linear(x.half(), w.half())
+    with pytest.raises(ValueError, match="K=33"):
+        linear_fixed_order(x[:, :5], w)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_row_is_the_same_in_any_row_count_and_position(variant):
+    x, w, b = _data(64, 37, 83, seed=1)
+    alone = torch.cat([EXT.linear(x[i:i + 1], w, b, variant) for i in range(64)])
+    for count in range(1, 65):
+        assert torch.equal(EXT.linear(x[:count], w, b, variant), alone[:count]), count
+    for shift in range(1, 64):
+        assert torch.equal(EXT.linear(x.roll(shift, 0), w, b, variant), alone.roll(shift, 0)), shift
+
+
+def test_the_thread_count_changes_no_bit(threads):
+    x, w, b = _data(7, 1000, 200, seed=2)
+    torch.set_num_threads(1)
+    one = linear_fixed_order(x, w, b)
+    torch.set_num_threads(threads)
+    assert torch.equal(linear_fixed_order(x, w, b), one)
+    assert torch.equal(linear_fixed_order(x[3:4], w, b), one[3:4])
+
+
+def test_misaligned_and_strided_inputs_change_no_bit():
+    x, w, b = _data(6, 21, 77, seed=3)
+    want = linear_fixed_order(x, w, b)
+    x_buffer, w_buffer = torch.empty(x.numel() + 1), torch.empty(w.numel() + 1)
+    x_off, w_off = x_buffer[1:].view_as(x), w_buffer[1:].view_as(w)
+    x_off.copy_(x)
+    w_off.copy_(w)
+    assert x_off.data_ptr() % 8 == 4
+    assert torch.equal(linear_fixed_order(x_off, w_off, b), want)
+    assert torch.equal(linear_fixed_order(x.T.contiguous().T, w, b), want)  # non-contiguous x
+
+
+@pytest.mark.skipif(len(VARIANTS) < 2, reason="this CPU has no AVX-512F")
+@pytest.mark.parametrize("k", [7, 16, 100, 1024, 1031])
+def test_the_avx2_variant_gives_the_avx512_bits(k):
+    x, w, b = _data(11, 45, k, seed=k)  # 8-row and 3-row tiles (AVX-512) against 4-row ones (AVX2)
+    assert torch.equal(EXT.linear(x, w, b, "avx2"), EXT.linear(x, w, b, "avx512"))
+    assert torch.equal(EXT.linear(x, w, b), EXT.linear(x, w, b, "avx512"))
+
+
+def test_negative_control_a_k_split_reduction_is_told_apart():
+    """Summing two halves of K separately (a split-K order) must fail the bitwise check that the
+    kernel passes, so that check can see a change of order."""
+    x, w, _ = _data(4, 64, 2048, seed=4, bias=False)
+    whole = EXT.linear(x, w)
+    half = x.shape[1] // 2
+    split = EXT.linear(x[:, :half], w[:, :half]) + EXT.linear(x[:, half:], w[:, half:])
+    torch.testing.assert_close(split, whole)  # the same product...
+    assert not torch.equal(split, whole)  # ...in another order
+
+
+def test_without_a_compiler_the_loader_warns_once_and_returns_none(tmp_path):
+    script = textwrap.dedent("""
+        import os, warnings
+        from pocketllm.kernels.cpu import extension
+        from pocketllm.kernels.linear import linear_fixed_order
+        for cxx in ("/nonexistent/c++", "/bin/false"):
+            os.environ["CXX"] = cxx
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                first, second = extension.load_extension(), extension.load_extension()
+            print(cxx, first is None and second is None, len(caught), caught[0].message)
+        try:
+            linear_fixed_order(*[__import__("torch").ones(1, 1)] * 2)
+        except RuntimeError as exc:
+            print("raised", exc)
+    """)
+    env = dict(os.environ, POCKETLLM_EXTENSIONS_DIR=str(tmp_path), PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("/nonexistent/c++ True 1 ") and "no C++ compiler '/nonexistent/c++'" in lines[0]
+    assert lines[1].startswith("/bin/false True 1 ") and "the build failed" in lines[1], lines[1]
+    assert lines[2].startswith("raised linear 'fixed_order' needs pocketllm's C++ CPU kernels: the build failed"), \
+        lines[2]
