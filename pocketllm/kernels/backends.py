@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .cpu.extension import load_extension
+
 Implementations = Mapping[str, Mapping[str, Callable[..., Any]]]
 
 
@@ -34,15 +36,18 @@ def _torch(implementations: Implementations, batch_invariant: bool, decode_per_r
            exact_positions: bool) -> dict[str, str]:
     """The references, except attention through torch's fused attention and the linear layers in
     fixed row tiles (`linear.py`): 4-row tiles for decode rows, or one row per call with
-    `decode_per_row`; prefill rows in 64-row tiles, or, with `exact_positions`, in the decode rows'
-    4-row tiles and their attention one row per call as a decode step computes it, so a position
-    gets the same bits decoded or prefilled. `batch_invariant=False` makes the linear layers one
+    `decode_per_row`; prefill rows in 64-row tiles, or, with `exact_positions`, every row through the
+    C++ fixed-order kernel (`kernels/cpu`; where it cannot be built, the decode rows' 4-row tiles)
+    and prefill attention one row per call as a decode step computes it, so a position gets the
+    same bits decoded or prefilled. `batch_invariant=False` makes the linear layers one
     plain GEMM call per batch (a negative control for the invariance tests, and a speed baseline)."""
     impls = dict.fromkeys(implementations, "ref")
     impls.update(prefill_attention="per_row" if exact_positions else "fused", decode_attention="fused")
     if batch_invariant:
         impls.update(linear="per_row" if decode_per_row else "row_invariant",
                      prefill_linear="decode_tiles" if exact_positions else "row_invariant")
+        if exact_positions and load_extension() is not None:  # else the MKL tiles, after its warning
+            impls.update(linear="fixed_order", prefill_linear="fixed_order")
     return impls
 
 
@@ -61,7 +66,7 @@ def _triton(implementations: Implementations, batch_invariant: bool, decode_per_
 BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
     Backend("torch", _torch, invariant_by_construction=False,
             options=("batch_invariant", "invariance_probe", "decode_per_row", "exact_positions"),
-            exact_by_default=False),  # exact prefill rows (4-row tiles, attention row by row): ~4x slower
+            exact_by_default=False),  # exact prefill: ~1.6x slower (attention row by row), see the README
     Backend("triton", _triton, invariant_by_construction=True, options=("exact_positions",), exact_by_default=True),
 )}
 
