@@ -114,8 +114,9 @@ def _pocketllm_alone(path: Path, decode_prompt: list[int], prefill_prompt: list[
     return decoded.ttft_s, tpot, prefilled.ttft_s
 
 
-def measure_model(preset: str, size: Size, seed: int, with_transformers: bool) -> dict[str, Any]:
-    """Every point of one model, for transformers and each of pocketllm's CONFIGS."""
+def measure_model(preset: str, size: Size, seed: int, with_transformers: bool,
+                  configs: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Every point of one model, for transformers and each of pocketllm's `configs` (CONFIGS)."""
     path = cached_checkpoint(preset, seed)
     rng = np.random.default_rng(seed)
     with LLM(EngineArgs(model=str(path), max_seq_len=MAX_SEQ_LEN, backend_options={"enable_batching": False,
@@ -133,7 +134,8 @@ def measure_model(preset: str, size: Size, seed: int, with_transformers: bool) -
         points.append(Point("transformers", ttft, (total - ttft) / (size.decode_tokens - 1), static.tokens_per_s,
                             prefill))
         del model
-    for name, options in CONFIGS.items():
+    for name, options in (CONFIGS if configs is None else configs).items():
+        print(f"{preset}: {name}", flush=True)
         ttft, tpot, prefill = _pocketllm_alone(path, decode_prompt, prefill_prompt, size, options)
         batched = run_batched(path, workload, BATCH, **options)
         points.append(Point(name, ttft, tpot, batched.tokens_per_s, prefill))
@@ -145,16 +147,17 @@ def verdicts(model: dict[str, Any], bandwidth: float) -> dict[str, Any]:
     """Per point: each engine's tokens/s, pocketllm's ratios to transformers against the goals;
     the batch-1 decode of each configuration as a fraction of the memory-bandwidth limit."""
     by_engine = {p["engine"]: p for p in model["points"]}
+    ours = [name for name in by_engine if name != "transformers"]
     limit = bandwidth / model["bytes_per_token"]
     rates = {"decode_1": lambda p: 1 / p["decode_tpot_s"], "batched_8": lambda p: p["batched_tokens_per_s"],
              "prefill": lambda p: model["prefill_tokens"] / p["prefill_s"]}
     out: dict[str, Any] = {"bandwidth_limit_tokens_per_s": limit,
-                           "decode_1_of_limit": {name: rates["decode_1"](by_engine[name]) / limit for name in CONFIGS}}
+                           "decode_1_of_limit": {name: rates["decode_1"](by_engine[name]) / limit for name in ours}}
     theirs = by_engine.get("transformers")
     for point, rate in rates.items():
         row: dict[str, Any] = {"goal": GOALS[point], "tokens_per_s": {e: rate(p) for e, p in by_engine.items()}}
         if theirs is not None:
-            row["ratio"] = {name: rate(by_engine[name]) / rate(theirs) for name in CONFIGS}
+            row["ratio"] = {name: rate(by_engine[name]) / rate(theirs) for name in ours}
             row["met_by"] = [name for name, ratio in row["ratio"].items() if ratio >= GOALS[point]]
         out[point] = row
     return out
@@ -170,8 +173,7 @@ def markdown(report: dict[str, Any]) -> str:
              f"the ratio to transformers.", ""]
     names = {"decode_1": "batch-1 decode", "batched_8": f"continuous batching {BATCH} (`random`)",
              "prefill": f"prefill ({report['size']['prefill_tokens']}-token prompt)"}
-    engines = (["transformers"] if any(p["engine"] == "transformers" for p in report["models"][0]["points"])
-               else []) + list(CONFIGS)
+    engines = [p["engine"] for p in report["models"][0]["points"]]  # transformers first, when measured
     for model in report["models"]:
         v = model["verdicts"]
         lines += [f"## `{model['preset']}` ({model['matrix_parameters'] / 1e6:.1f}M matrix parameters, "
