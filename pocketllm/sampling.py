@@ -78,7 +78,10 @@ class SamplingParams:
             set_field("seed", _int_in("seed", self.seed, 0, MAX_SEED, "None or an int in [0, 2**64 - 1]"))
         if isinstance(self.stop_token_ids, (str, bytes, bytearray)) or not hasattr(self.stop_token_ids, "__iter__"):
             raise TypeError(f"stop_token_ids must be a sequence of ints, got {_short(self.stop_token_ids)}")
-        stop = tuple(self.stop_token_ids)
+        try:
+            stop = tuple(self.stop_token_ids)
+        except TypeError:  # iterable in name only (a 0-d tensor or array)
+            raise TypeError(f"stop_token_ids must be a sequence of ints, got {_short(self.stop_token_ids)}") from None
         set_field("stop_token_ids", tuple(_int_in("stop_token_ids", t, 0, None, "ints >= 0")
                                           for t in stop))
         if not isinstance(self.ignore_eos, bool):

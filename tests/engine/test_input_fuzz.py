@@ -249,3 +249,9 @@ def test_cache_sizing_uses_the_models_own_cache_layout(checkpoint_dir, variant):
     engine = LLM(EngineArgs(model=str(checkpoint_dir(variant)), max_seq_len=MAX_SEQ_LEN,
                             backend_options={"max_batch_size": 1}))
     assert layer_specs(engine.model_config) == engine.model.cache_specs()
+
+
+def test_stop_token_ids_that_only_look_iterable_are_explained():
+    """A 0-d tensor has __iter__ but cannot be iterated: the error still names the field."""
+    with pytest.raises(TypeError, match=r"stop_token_ids must be a sequence of ints, got tensor\(2\)"):
+        SamplingParams(stop_token_ids=torch.tensor(2))
