@@ -111,7 +111,7 @@ def _counting_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 @pytest.mark.parametrize("backend,options,overrides", [
     ("torch", {"exact_positions": False}, {}),
-    ("triton", {"exact_positions": False}, {}),
+    pytest.param("triton", {"exact_positions": False}, {}, marks=pytest.mark.slow),
     ("torch", {"exact_positions": True}, {"rms_norm": _counting_rms_norm}),
 ], ids=["torch_exact_off", "triton_split_kv", "rms_norm_blocked_by_token_count"])
 def test_the_checks_fail_when_one_path_rounds_differently(wide_checkpoint, tiny_checkpoint, backend, options,

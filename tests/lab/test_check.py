@@ -79,7 +79,7 @@ def test_cli_exit_status_and_table(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["decode_attention", "--impl", "lab_variants:decode_attention_wrong_signature"], "missing parameter 'scale'"),
     (["decode_attention", "--impl", "lab_variants:nothing_here"], "has no attribute 'nothing_here'"),
-    (["decode_attention", "--impl", "no_such"], "must be one of ('ref', 'fused', 'triton')"),
+    (["decode_attention", "--impl", "no_such"], "must be one of ('ref', 'fused', 'triton', 'split_kv')"),
     (["decode_attention", "--examples", "-1"], "--examples must be >= 0"),
 ])
 def test_cli_errors_name_the_problem(argv, message, capsys):
