@@ -62,7 +62,7 @@ class BackendOptions:
     exact_positions: bool | None = _option(None, "a position's logits are bitwise the same decoded, prefilled in a "
                                                  "piece of any length, or scored (prompt_logprobs), on models without "
                                                  "Gated DeltaNet layers; None: the backend's default (triton: on, "
-                                                 "torch: off, its exact prefill is about 4x slower)")
+                                                 "torch: off until its C++ kernel is measured on more CPUs)")
 
 
 @dataclass(frozen=True)

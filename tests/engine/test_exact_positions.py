@@ -232,7 +232,7 @@ def _outputs(result) -> tuple:
 
 
 def test_capabilities_say_where_positions_are_exact(tiny_checkpoint, checkpoint_dir):
-    """On by default on triton, off on torch (its exact prefill costs ~4x), never on a Gated
+    """On by default on triton, off on torch (its C++ kernel is measured on one CPU so far), never on a Gated
     DeltaNet hybrid (its decode step and chunked prefill round differently), nor with invariance off."""
     assert _engine(tiny_checkpoint, exact=None).capabilities.exact_positions is False
     assert _engine(tiny_checkpoint, exact=True).capabilities.exact_positions is True
