@@ -7,6 +7,10 @@ admission to completion and kernels need no per-token index loads.
 - Gated DeltaNet layers: a conv state [num_slots, conv_dim, conv_width - 1] (the last inputs of the
   causal conv) and an fp32 recurrent state [num_slots, heads, key_dim, value_dim]. Both are zeroed
   when a slot is reset for a new tenant, so a slot's previous tenant never leaks into the next.
+  With exact positions (`replay=True`) each also has a replay buffer [num_slots, CHUNK_SIZE, width]
+  fp32: the raw inputs since the last chunk boundary, which the recurrent state stays at (exact
+  replay, see `kernels/_gated_delta.py`). It is swapped and snapshotted with the states, but not
+  kept in prefix state copies: those sit on the chunk grid, where a chunk has no replayed rows.
 Prefix reuse (see `scheduler/prefix_index.py`) resets a slot keeping its first `keep` positions,
 or copies a prefix from another slot. K/V of a prefix are complete as they stand; a Gated
 DeltaNet layer also needs its states as they were after the prefix, so the scheduler keeps
@@ -28,6 +32,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
+from .kernels._gated_delta import CHUNK_SIZE
 
 
 class SlotCacheError(RuntimeError):
@@ -49,6 +54,12 @@ class RecurrentCacheSpec:
     key_dim: int
     value_dim: int
 
+    @property
+    def replay_width(self) -> int:
+        """fp32 values per position of the replay buffer: raw k (all key heads), v, g and beta."""
+        values = self.num_heads * self.value_dim
+        return (self.conv_dim - values) // 2 + values + 2 * self.num_heads
+
 
 LayerCacheSpec = AttentionCacheSpec | RecurrentCacheSpec
 
@@ -58,8 +69,10 @@ def attention_spec(cfg: ModelConfig) -> AttentionCacheSpec:
     return AttentionCacheSpec(cfg.num_key_value_heads, cfg.head_dim)
 
 
-def cache_bytes(num_slots: int, max_seq_len: int, layers: list[LayerCacheSpec], dtype: torch.dtype) -> int:
-    """Bytes the slot tensors of these layers take (Python ints: no overflow for absurd sizes)."""
+def cache_bytes(num_slots: int, max_seq_len: int, layers: list[LayerCacheSpec], dtype: torch.dtype,
+                replay: bool = False) -> int:
+    """Bytes the slot tensors of these layers take, replay buffers too with `replay` (Python ints:
+    no overflow for absurd sizes)."""
     item = torch.empty((), dtype=dtype).element_size()
     total = 0
     for spec in layers:
@@ -68,6 +81,7 @@ def cache_bytes(num_slots: int, max_seq_len: int, layers: list[LayerCacheSpec], 
         else:
             total += num_slots * spec.conv_dim * (spec.conv_width - 1) * item
             total += num_slots * spec.num_heads * spec.key_dim * spec.value_dim * 4
+            total += num_slots * CHUNK_SIZE * spec.replay_width * 4 if replay else 0
     return total
 
 
@@ -127,15 +141,16 @@ class SlotCache:
     states; the bookkeeping of who holds a slot lives in the SlotManager."""
 
     def __init__(self, num_slots: int, max_seq_len: int, layers: list[LayerCacheSpec], dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", replay: bool = False) -> None:
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self.device = torch.device(device)
-        self.nbytes = cache_bytes(num_slots, max_seq_len, layers, dtype)
+        self.nbytes = cache_bytes(num_slots, max_seq_len, layers, dtype, replay)
         self.k: list[torch.Tensor | None] = []
         self.v: list[torch.Tensor | None] = []
         self.conv: list[torch.Tensor | None] = []
         self.recurrent: list[torch.Tensor | None] = []
+        self.replay: list[torch.Tensor | None] = []
         for spec in layers:
             if isinstance(spec, AttentionCacheSpec):
                 kv_shape = (num_slots, max_seq_len, spec.num_kv_heads, spec.head_dim)
@@ -143,12 +158,15 @@ class SlotCache:
                 self.v.append(torch.zeros(kv_shape, dtype=dtype, device=device))
                 self.conv.append(None)
                 self.recurrent.append(None)
+                self.replay.append(None)
             else:
                 self.k.append(None)
                 self.v.append(None)
                 self.conv.append(torch.zeros(num_slots, spec.conv_dim, spec.conv_width - 1, dtype=dtype, device=device))
                 self.recurrent.append(torch.zeros(
                     num_slots, spec.num_heads, spec.key_dim, spec.value_dim, dtype=torch.float32, device=device))
+                self.replay.append(torch.zeros(num_slots, CHUNK_SIZE, spec.replay_width, dtype=torch.float32,
+                                               device=device) if replay else None)
         # Per slot: position -> copies of its states (one per layer with states) after that many tokens.
         self.prefix_states: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(num_slots)]
         self.prefix_state_bytes = sum(s[0].numel() * s.element_size() for s in self._states())  # one copy
@@ -159,7 +177,12 @@ class SlotCache:
         return bool(self._states())
 
     def _states(self) -> list[torch.Tensor]:
+        """What a prefix state copy holds: conv and recurrent states."""
         return [s for s in self.conv + self.recurrent if s is not None]
+
+    def _slot_states(self) -> list[torch.Tensor]:
+        """Everything a slot holds besides K/V: its states and replay buffers (swap, snapshots)."""
+        return self._states() + [r for r in self.replay if r is not None]
 
     def reset(self, slot: int, keep: int = 0) -> None:
         """Ready a slot for a new tenant. Its first `keep` positions stay as they are (a reused
@@ -199,11 +222,15 @@ class SlotCache:
                 state[target].copy_(kept[length][i])
             else:
                 state[target].zero_()
+        if not length:
+            for replay in self.replay:
+                if replay is not None:
+                    replay[target].zero_()
 
     def swap_bytes(self, length: int) -> int:
         """Host bytes a slot with `length` positions takes once swapped out."""
         rows = sum(t[0, 0].numel() * t.element_size() for t in self.k + self.v if t is not None)
-        return rows * length + self.prefix_state_bytes
+        return rows * length + sum(s[0].numel() * s.element_size() for s in self._slot_states())
 
     def swap_out(self, slot: int, length: int) -> SwappedSlot:
         """Copy slot `slot`'s first `length` positions and its states to host memory (the slot stays
@@ -217,7 +244,7 @@ class SlotCache:
 
         kv = [None if k is None or v is None else (host(k[slot, :length]), host(v[slot, :length]))
               for k, v in zip(self.k, self.v)]
-        return SwappedSlot(length, kv, [host(s[slot]) for s in self._states()])
+        return SwappedSlot(length, kv, [host(s[slot]) for s in self._slot_states()])
 
     def swap_in(self, slot: int, swapped: SwappedSlot) -> None:
         """Write a swapped-out slot's contents into allocated slot `slot`, bit for bit."""
@@ -225,7 +252,7 @@ class SlotCache:
             if k is not None and v is not None and pair is not None:
                 k[slot, :swapped.length].copy_(pair[0])
                 v[slot, :swapped.length].copy_(pair[1])
-        for state, copy in zip(self._states(), swapped.states):
+        for state, copy in zip(self._slot_states(), swapped.states):
             state[slot].copy_(copy)
 
     @property
@@ -237,7 +264,7 @@ class SlotCache:
     def snapshot_states(self, slots: list[int], starts: list[int]) -> StateSnapshot | None:
         """What `restore_states` needs to undo a forward over `slots` (with `starts` tokens cached):
         None without recurrent layers; a slot with nothing cached is restored by zeroing, not copied."""
-        states = self._states()
+        states = self._slot_states()
         if not states:
             return None
         index = lambda values: torch.tensor(values, dtype=torch.int64, device=self.device)  # noqa: E731
@@ -249,6 +276,6 @@ class SlotCache:
         """Put the recurrent states of a snapshot's slots back, bit for bit."""
         if snapshot is None:
             return
-        for state, copy in zip(self._states(), snapshot.copies):
+        for state, copy in zip(self._slot_states(), snapshot.copies):
             state.index_copy_(0, snapshot.copied_slots, copy)
             state.index_fill_(0, snapshot.fresh_slots, 0)

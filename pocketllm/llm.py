@@ -106,7 +106,7 @@ class LLM:
         self.model = build_model(args.model, self.model_config, ops, args.torch_dtype, self.device,
                                  args.max_seq_len)
         self.cache = SlotCache(args.max_batch_size, args.max_seq_len, self.model.cache_specs(), args.torch_dtype,
-                               self.device)
+                               self.device, replay=self._exact_requested())
         self.runner = ModelRunner(self.model, self.cache, self.device)
         return self._check_invariance()
 
@@ -129,12 +129,16 @@ class LLM:
         interval = self.policy.snapshot_interval if self.policy.prefix_reuse and batched else 0
         return (self.args.max_seq_len - 1) // interval * self._state_bytes() if interval else 0
 
+    def _exact_requested(self) -> bool:
+        """Whether the op table and the cache are built for exact positions (`exact_positions`, or
+        the backend's default): Gated DeltaNet layers then keep replay buffers."""
+        options = self.args.options.backend
+        return options.batch_invariant and get_backend(self.args.backend).exact(options.exact_positions)
+
     def _exact_positions(self, batch_invariant: bool) -> bool:
-        """Whether a position's bits are the same decoded, prefilled or scored: the op table's choice
-        (`exact_positions`), on a model without Gated DeltaNet layers (their recurrent decode step
-        and chunked prefill round differently)."""
-        requested = self.args.options.backend.exact_positions
-        return batch_invariant and get_backend(self.args.backend).exact(requested) and not self.cache.has_states
+        """Whether a position's bits are the same decoded, prefilled or scored: built for it, and
+        batch invariant here (the probe's verdict on the torch backend)."""
+        return batch_invariant and self._exact_requested()
 
     def _check_invariance(self) -> bool:
         """Whether this engine keeps the invariance contract here. The triton kernels are invariant
@@ -164,7 +168,8 @@ class LLM:
         """Refuse, before any weight is read, a cache (and rope tables, one row per position) larger
         than the device's available memory: ValueError naming max_seq_len and max_batch_size."""
         cfg, args = self.model_config, self.args
-        slots = cache_bytes(args.max_batch_size, args.max_seq_len, layer_specs(cfg), args.torch_dtype)
+        slots = cache_bytes(args.max_batch_size, args.max_seq_len, layer_specs(cfg), args.torch_dtype,
+                            self._exact_requested())
         rope = 2 * args.max_seq_len * cfg.rotary_dim * 4
         snapshots = args.max_batch_size * self._snapshot_bytes_per_slot()
         require_memory(slots + rope + snapshots, self.device,

@@ -13,7 +13,15 @@ from typing import Protocol
 import torch
 
 from ._cases import GDN, gdn_slot, gdn_tokens, no_shared
-from ._gated_delta import CHUNK_SIZE, _check_gated_delta_args, _prepare, gated_delta_cost
+from ._gated_delta import (
+    CHUNK_SIZE,
+    _check_gated_delta_args,
+    _prepare,
+    check_replay,
+    gated_delta_cost,
+    save_replay,
+    with_replayed,
+)
 from ._triton import kernel_device_ok, tl, triton
 from .checks import check_shape
 from .spec import Call, Layout, OpSpec, Step
@@ -21,11 +29,12 @@ from .spec import Call, Layout, OpSpec, Step
 
 class GatedDeltaPrefill(Protocol):
     """q/k [T, Hk, Dk], v [T, Hv, Dv], g (log decay)/beta [T, Hv], states fp32 [slots, Hv, Dk, Dv]
-    (updated in place), slot_ids/start_positions [B], cu_seqlens [B + 1] -> [T, Hv, Dv]."""
+    (updated in place), slot_ids/start_positions [B], cu_seqlens [B + 1], and optionally the
+    replay buffers fp32 [slots, CHUNK_SIZE, width] of exact replay (see `_gated_delta`) -> [T, Hv, Dv]."""
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  states: torch.Tensor, slot_ids: torch.Tensor, start_positions: torch.Tensor,
-                 cu_seqlens: torch.Tensor) -> torch.Tensor: ...
+                 cu_seqlens: torch.Tensor, replay: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 def _chunk(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -54,15 +63,18 @@ def _full_chunk(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 
 def _prefill_one(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                 beta: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence: q/k [H, n, Dk], v [H, n, Dv], g/beta [H, n] at positions start.. -> (out [H, n, Dv], state)."""
+                 beta: torch.Tensor, start: int, partial_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence: q/k [H, n, Dk], v [H, n, Dv], g/beta [H, n] at positions start.. -> (out [H, n, Dv],
+    state). The state moves past an unfinished last chunk only with `partial_state`."""
     n = q.shape[1]
     outs = []
     lo = 0
     while lo < n:
         hi = min(n, lo + CHUNK_SIZE - (start + lo) % CHUNK_SIZE)  # stop at the next absolute chunk boundary
         q_c, k_c, v_c, g_c, beta_c = (_full_chunk(x, lo, hi) for x in (q, k, v, g, beta))
-        out, state = _chunk(state, q_c, k_c, v_c, g_c, beta_c)
+        out, after = _chunk(state, q_c, k_c, v_c, g_c, beta_c)
+        if partial_state or (start + hi) % CHUNK_SIZE == 0:
+            state = after
         outs.append(out[:, :hi - lo])
         lo = hi
     return torch.cat(outs, dim=1), state
@@ -70,9 +82,23 @@ def _prefill_one(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
 def gated_delta_prefill_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                             states: torch.Tensor, slot_ids: torch.Tensor, start_positions: torch.Tensor,
-                            cu_seqlens: torch.Tensor) -> torch.Tensor:
+                            cu_seqlens: torch.Tensor, replay: torch.Tensor | None = None) -> torch.Tensor:
     """q/k [T, Hk, Dk], v [T, Hv, Dv], g (log decay, <= 0)/beta [T, Hv] (fp32), states [slots, Hv, Dk, Dv]
-    fp32 (updated in place) -> out [T, Hv, Dv] in v's dtype."""
+    fp32 (updated in place) -> out [T, Hv, Dv] in v's dtype. With `replay`, exact replay: each
+    piece runs its chunk from the chunk's start, and the replay buffers are updated."""
+    if replay is not None:
+        check_replay(replay, k, v)
+        (q_x, k_x, v_x, g_x, beta_x, starts, cu), piece_rows = with_replayed(
+            replay, q, k, v, g, beta, slot_ids, start_positions, cu_seqlens)
+        out = _prefill_sequences(q_x, k_x, v_x, g_x, beta_x, states, slot_ids, starts, cu, partial_state=False)
+        save_replay(replay, k, v, g, beta, slot_ids, start_positions, cu_seqlens)
+        return out[piece_rows]
+    return _prefill_sequences(q, k, v, g, beta, states, slot_ids, start_positions, cu_seqlens, partial_state=True)
+
+
+def _prefill_sequences(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       states: torch.Tensor, slot_ids: torch.Tensor, start_positions: torch.Tensor,
+                       cu_seqlens: torch.Tensor, partial_state: bool) -> torch.Tensor:
     out = torch.empty_like(v)
     bounds = cu_seqlens.tolist()
     num_v_heads = v.shape[1]
@@ -80,7 +106,7 @@ def gated_delta_prefill_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         lo, hi = bounds[i], bounds[i + 1]
         qh, kh = _prepare(q[lo:hi], k[lo:hi], num_v_heads)
         seq_out, states[slot] = _prefill_one(states[slot], qh, kh, v[lo:hi].float().transpose(0, 1),
-                                             g[lo:hi].float().T, beta[lo:hi].float().T, start)
+                                             g[lo:hi].float().T, beta[lo:hi].float().T, start, partial_state)
         out[lo:hi] = seq_out.transpose(0, 1).to(v.dtype)
     return out
 
@@ -112,7 +138,7 @@ def _gated_delta_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr
                                 out_ptr, q_st, q_sh, q_sd, k_st, k_sh, k_sd, v_st, v_sh, v_sd, g_st, g_sh,
                                 b_st, b_sh, s_ss, s_sh, s_sk, s_sv, o_st, o_sh, o_sd, scale,
                                 GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr,
-                                BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+                                BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, COMPLETE_ONLY: tl.constexpr):
     """Program (i, h, j): sequence i, value head h, value columns [j * BLOCK_DV, (j + 1) * BLOCK_DV),
     walking the sequence's chunks (aligned to absolute positions) in order.
 
@@ -122,7 +148,7 @@ def _gated_delta_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr
     state in registers spilled kilobytes per thread at Dk = 128. The UT transform is solved by
     forward substitution on the right-hand side [CHUNK, BLOCK_DV] directly, not by forming
     (I + L)^-1. All loop trip counts are fixed by Dk and CHUNK, so every chunk runs the same
-    arithmetic."""
+    arithmetic. With COMPLETE_ONLY (exact replay) the state is written only after a complete chunk."""
     seq = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     q_head = q_ptr + (h // GROUP) * q_sh
@@ -207,9 +233,12 @@ def _gated_delta_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr
         # S <- exp(cum_last) S + (k exp(cum_last - cum))^T v_new. The barriers order this program's
         # threads' reads and writes of the slot (the state is spread over them differently).
         tl.debug_barrier()
+        rows_written = DK
+        if COMPLETE_ONLY:  # an unfinished chunk leaves the state at its start: no row written
+            rows_written = tl.where((first_chunk + c + 1) * CHUNK - start <= length, DK, 0)
         for d0 in range(0, DK, BLOCK_DK):
             rows = d0 + dk
-            mask = (rows < DK)[:, None] & dv_mask[None, :]
+            mask = (rows < rows_written)[:, None] & dv_mask[None, :]
             tile = state_head + rows[:, None].to(tl.int64) * s_sk
             k = _load_rows(k_head, tok, k_st, k_sd, valid, rows, DK) * (k_scale * tl.exp(cum_last - cum))[:, None]
             state = tl.load(tile, mask=mask, other=0.0) * tl.exp(cum_last)
@@ -220,7 +249,8 @@ def _gated_delta_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr
 
 def gated_delta_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, states: torch.Tensor, slot_ids: torch.Tensor,
-                               start_positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+                               start_positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                               replay: torch.Tensor | None = None) -> torch.Tensor:
     """`gated_delta_prefill_ref` in one launch: grid (sequences, Hv, Dv blocks of PREFILL_BLOCK_DV).
 
     Invariant by construction: program (i, h, j) reads only sequence i's tokens and its slot's
@@ -229,14 +259,32 @@ def gated_delta_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     computed with the same fixed-shape arithmetic, and the state between chunks is held in fp32
     in the slot (split prompt or not). So a sequence's result does not depend on the
     batch, and a prompt split at a multiple of CHUNK_SIZE runs exactly the same chunk computations.
+    With `replay` (exact replay) a prompt cut anywhere, or decoded, does too: each sequence is
+    preceded by its chunk's replayed rows, so the kernel computes that chunk in full from its start,
+    and the state moves only at complete chunks.
     """
     kernel_device_ok(q)
     group = _check_gated_delta_args(q, k, v, g, beta, states)
-    dim_k, num_v_heads, dim_v = q.shape[2], v.shape[1], v.shape[2]
     check_shape("slot_ids", slot_ids, (None,))
     batch = slot_ids.shape[0]
     check_shape("start_positions", start_positions, (batch,))
     check_shape("cu_seqlens", cu_seqlens, (batch + 1,))
+    if replay is not None:
+        check_replay(replay, k, v)
+        (q_x, k_x, v_x, g_x, beta_x, starts, cu), piece_rows = with_replayed(
+            replay, q, k, v, g, beta, slot_ids, start_positions, cu_seqlens)
+        out = _launch(q_x, k_x, v_x, g_x, beta_x, states, slot_ids, starts, cu, group, complete_only=True)
+        save_replay(replay, k, v, g, beta, slot_ids, start_positions, cu_seqlens)
+        return out[piece_rows]
+    return _launch(q, k, v, g, beta, states, slot_ids, start_positions, cu_seqlens, group, complete_only=False)
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            states: torch.Tensor, slot_ids: torch.Tensor, start_positions: torch.Tensor, cu_seqlens: torch.Tensor,
+            group: int, complete_only: bool) -> torch.Tensor:
+    """One launch over the sequences as given."""
+    dim_k, num_v_heads, dim_v = q.shape[2], v.shape[1], v.shape[2]
+    batch = slot_ids.shape[0]
     out = torch.empty_like(v)
     if batch == 0 or v.shape[0] == 0:
         return out
@@ -247,16 +295,23 @@ def gated_delta_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         *v.stride(), *g.stride(), *beta.stride(), *states.stride(), *out.stride(), dim_k ** -0.5,
         GROUP=group, DK=dim_k, DV=dim_v, CHUNK=CHUNK_SIZE,
         BLOCK_DK=min(max(triton.next_power_of_2(dim_k), 16), PREFILL_BLOCK_DK), BLOCK_DV=block_dv,
-        num_warps=PREFILL_NUM_WARPS)
+        COMPLETE_ONLY=complete_only, num_warps=PREFILL_NUM_WARPS)
     return out
 
 
 def _launches(step: Step) -> list[Call]:
+    """Prefill pieces, plain and with exact replay; decode steps too with exact replay (exact
+    positions run them through this op)."""
     batch = step.batch
-    if not step.linear_attention or batch.is_decode:
+    if not step.linear_attention:
         return []
+    replayed = Call(f"{step.name}, exact replay", lambda: (*step.gated_delta_args(), batch.slot_ids,
+                                                           batch.start_positions, batch.cu_seqlens,
+                                                           step.replay_buffers()))
+    if batch.is_decode:
+        return [replayed]
     return [Call(step.name, lambda: (*step.gated_delta_args(), batch.slot_ids, batch.start_positions,
-                                     batch.cu_seqlens))]
+                                     batch.cu_seqlens)), replayed]
 
 
 OP = OpSpec("gated_delta_prefill", GatedDeltaPrefill,

@@ -135,6 +135,10 @@ class Step(Protocol):
         """(q, k, v, g, beta, states) as a Gated DeltaNet layer passes them."""
         ...
 
+    def replay_buffers(self) -> torch.Tensor:
+        """A Gated DeltaNet layer's replay buffers [slots, CHUNK_SIZE, width] (exact positions)."""
+        ...
+
 
 LaunchesFn = Callable[[Step], list[Call]]
 

@@ -25,6 +25,7 @@ import torch
 
 from ..cache import RecurrentCacheSpec
 from ..config import ModelConfig
+from ..kernels._gated_delta import CHUNK_SIZE
 from ..kernels.registry import SPECS
 from ..kernels.spec import Call, Cost
 from ..models.batch import ForwardBatch
@@ -153,6 +154,10 @@ class Step:
         states = self.tensor(SLOTS, spec.num_heads, spec.key_dim, spec.value_dim, dtype=torch.float32)
         return (q.reshape(tokens, k_heads, -1), k.reshape(tokens, k_heads, -1), v.reshape(tokens, spec.num_heads, -1),
                 g, beta, states)
+
+    def replay_buffers(self) -> torch.Tensor:
+        spec = self._recurrent()
+        return self.tensor(SLOTS, CHUNK_SIZE, spec.replay_width, dtype=torch.float32)
 
 
 def _step(name: str, cfg: ModelConfig, phase: str, shapes: Shapes, device: str, seed: int | None) -> Step:

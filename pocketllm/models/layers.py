@@ -81,8 +81,13 @@ def conv1d(ops: Ops, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
 
 
 def gated_delta(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """The gated delta rule over each slot's recurrent state."""
+                state: torch.Tensor, batch: ForwardBatch, replay: torch.Tensor | None = None) -> torch.Tensor:
+    """The gated delta rule over each slot's recurrent state. With replay buffers (exact positions)
+    every row, decode rows too, goes through the chunked op's exact replay: a position's output is
+    then the same whichever piece or step computes it."""
+    if replay is not None:
+        return ops.gated_delta_prefill(q, k, v, g, beta, state, batch.slot_ids, batch.start_positions,
+                                       batch.cu_seqlens, replay)
     return _by_kind(
         batch,
         lambda d, rows: ops.gated_delta_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], state, d.slot_ids),

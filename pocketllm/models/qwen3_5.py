@@ -125,7 +125,7 @@ class DeltaNet:
         v = v.reshape(tokens, v_heads, cfg.linear_value_head_dim)
         beta = elementwise_invariant(torch.sigmoid, b.float())
         g = self.neg_decay_rate * elementwise_invariant(F.softplus, a.float() + self.dt_bias.float())
-        out = gated_delta(ops, q, k, v, g, beta, layer_state(cache.recurrent, layer), batch)
+        out = gated_delta(ops, q, k, v, g, beta, layer_state(cache.recurrent, layer), batch, cache.replay[layer])
         out = ops.rms_norm_gated(out, z.reshape(tokens, v_heads, cfg.linear_value_head_dim), self.norm,
                                  cfg.rms_norm_eps)
         return ops.linear(out.reshape(tokens, value_dim), self.out_proj)

@@ -156,7 +156,9 @@ class Planner:
             request.advance(seq, outcome)
             if outcome.sampled is not None:
                 sampled.append(request)
-            if not seq.decode:
+            if seq.decode:
+                self.slots.decoded(request)
+            else:
                 self.slots.prefilled(request)
         return sampled
 

@@ -156,6 +156,14 @@ class SlotManager:
             self.cache.save_prefix_state(slot, length)
         self.index.extend(slot, request.prompt_tokens, length)
 
+    def decoded(self, request: Request) -> None:
+        """A decode step wrote the request's position num_cached - 1: with `reuse_decoded`, keep its
+        states where that completes the snapshot grid, so a later turn can resume there."""
+        slot, length = request.assigned_slot, request.num_cached
+        interval = self.policy.snapshot_interval
+        if self.reuse_decoded and interval and length % interval == 0 and slot not in self._unindexed:
+            self.cache.save_prefix_state(slot, length)
+
     def release(self, request: Request) -> None:
         """Free an ended request's slot. A failed request's slot claims no contents: a failed
         forward may have written them."""

@@ -1,0 +1,131 @@
+"""Exact positions on the Qwen3.5 hybrids: with Gated DeltaNet layers kept exact by replay (the
+state at the last chunk boundary plus the inputs since, every piece and decode step recomputing
+its chunk), a position's logprobs are bitwise the same decoded, prefilled in a piece cut
+anywhere, or scored, so generated logprobs equal the scores of the same sequence.
+
+Both checkpoint layouts, the torch backend at a tiny and (under `slow`) a realistic width, and the
+triton backend (interpreted here, under `slow`) at a tiny one; the sequences cross the 64-position
+chunk boundary on the torch backend. Negative control: the Gated DeltaNet layers without replay (a
+decode step through the recurrent form, a cut piece continuing its chunk's partial state) make the
+same checks fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import budget
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_exact_positions import SCORE, _engine, _mismatch
+
+from pocketllm import LLM, SamplingParams, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def wide_hybrid(tmp_path_factory):
+    """The `qwen3.5-small` width (hidden 512, vocab 32000, 8 value heads of 64) in three Gated
+    DeltaNet layers and one gated attention layer."""
+    return write_checkpoint(tmp_path_factory.mktemp("wide_hybrid"), "qwen3.5-small", seed=6, num_hidden_layers=4)
+
+
+def _fresh_slots(llm: LLM) -> LLM:
+    """Reset a slot before a sequence that starts at position 0 runs in it, as admission does: the
+    checks run the runner directly, and a recurrent state must not carry over between them."""
+    run = llm.runner.run
+
+    def run_fresh(seqs):
+        for seq in seqs:
+            if seq.start == 0:
+                llm.cache.reset(seq.slot)
+        return run(seqs)
+
+    llm.runner.run = run_fresh
+    return llm
+
+
+_ENGINES: dict = {}
+
+
+def _cached_engine(path, backend: str) -> LLM:
+    key = (str(path), backend)
+    if key not in _ENGINES:
+        _ENGINES[key] = _fresh_slots(_engine(path, backend))
+    return _ENGINES[key]
+
+
+sequences = st.integers(2, 90).flatmap(lambda n: st.tuples(
+    st.lists(st.integers(0, 255), min_size=n, max_size=n),
+    st.lists(st.integers(1, n - 1), max_size=4, unique=True).map(sorted)))
+
+
+@settings(max_examples=budget(0.1), deadline=None)
+@given(case=sequences)
+def test_hybrid_positions_are_exact_on_the_torch_backend(checkpoint_dir, case):
+    tokens, cuts = case
+    assert _mismatch(_cached_engine(checkpoint_dir("qwen3.5"), "torch"), tokens, cuts) is None
+
+
+@pytest.mark.slow
+@settings(max_examples=budget(0.2), deadline=None)
+@given(case=sequences)
+def test_hybrid_positions_are_exact_on_the_torch_backend_at_a_realistic_width(wide_hybrid, case):
+    tokens, cuts = case
+    assert _mismatch(_cached_engine(wide_hybrid, "torch"), tokens, cuts) is None
+
+
+@pytest.mark.parametrize("variant", ["qwen3.5", "qwen3.5_mm_untied"])
+def test_hybrid_positions_are_exact_in_both_layouts(checkpoint_dir, variant):
+    """Cuts off the chunk grid, a sequence crossing position 64, every position decoded too."""
+    tokens = [(13 * i + 5) % 256 for i in range(75)]
+    assert _mismatch(_cached_engine(checkpoint_dir(variant), "torch"), tokens, [3, 40, 66]) is None
+
+
+@pytest.mark.slow
+@settings(max_examples=budget(0.05), deadline=None)
+@given(case=st.integers(2, 8).flatmap(lambda n: st.tuples(
+    st.lists(st.integers(0, 255), min_size=n, max_size=n),
+    st.lists(st.integers(1, n - 1), max_size=2, unique=True).map(sorted))))
+def test_hybrid_positions_are_exact_on_the_triton_backend(checkpoint_dir, case):
+    tokens, cuts = case
+    assert _mismatch(_cached_engine(checkpoint_dir("qwen3.5"), "triton"), tokens, cuts) is None
+
+
+def test_hybrid_generation_scores_as_it_generated(checkpoint_dir):
+    """Generate (batched, prompts crossing the chunk boundary), then score prompt + output: the
+    generated positions' logprobs and top alternatives are the scores, `==`."""
+    llm = _engine(checkpoint_dir("qwen3.5"), batched=True)
+    prompts = [[(7 * i + j) % 256 for i in range(n)] for j, n in enumerate((60, 5, 70))]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    generated = llm.generate(prompts, [params] * len(prompts))
+    scored = llm.generate([p + g.token_ids for p, g in zip(prompts, generated)], [SCORE] * len(prompts))
+    for prompt, g, s in zip(prompts, generated, scored):
+        n = len(prompt)
+        assert s.prompt_logprobs[n:] == g.logprobs
+        assert [top[:3] for top in s.prompt_top_logprobs[n:]] == g.top_logprobs
+
+
+def test_negative_control_hybrid_without_replay_is_caught(checkpoint_dir):
+    """Exact attention and linear layers but Gated DeltaNet layers without replay buffers: the
+    decode step (recurrent form) and a cut inside a chunk round differently, and the check sees it."""
+    llm = _fresh_slots(_engine(checkpoint_dir("qwen3.5"), "torch"))
+    for i, replay in enumerate(llm.cache.replay):
+        if replay is not None:
+            llm.cache.replay[i] = None
+    tokens = [(13 * i + 5) % 256 for i in range(20)]
+    assert _mismatch(llm, tokens, [7]) is not None
+
+
+def test_the_next_turn_reuses_the_previous_answer_on_a_hybrid(checkpoint_dir):
+    """Turn 2 extends turn 1's prompt (50 tokens) and answer (40): it resumes from the Gated DeltaNet
+    states kept where a decode step reached position 64, and gets the bits of a cold run."""
+    path = checkpoint_dir("qwen3.5")
+    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)  # noqa: E731
+    prompt = [(5 * i + 1) % 200 for i in range(50)]
+    llm = _engine(path, batched=True, max_batch_size=2, prefill_chunk_size=64, state_snapshot_interval=64)
+    first = llm.generate(prompt, greedy(40))
+    second_prompt = prompt + first.token_ids + [7] * 3
+    second = llm.generate(second_prompt, greedy(5))
+    assert llm.scheduler.get_stats().prefix_tokens_reused == 64
+    cold = _engine(path).generate(second_prompt, greedy(5))
+    assert (second.token_ids, second.logprobs, second.top_logprobs) == \
+        (cold.token_ids, cold.logprobs, cold.top_logprobs)
