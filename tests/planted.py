@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from pocketllm.kernels.decode_attention import decode_attention_fused, decode_attention_triton
 from pocketllm.kernels.linear import linear_per_row
 from pocketllm.kernels.prefill_attention import prefill_attention_ref
 
@@ -38,3 +39,18 @@ def prefill_attention_first_row_nudged(q: torch.Tensor, k_cache: torch.Tensor, v
     out[first_rows] = out[first_rows] * NUDGE
     return out
 
+
+
+def decode_attention_nudged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The torch backend's decode attention with every decoded row taking another path (as decoding
+    through a split-KV merge instead of the prefill's arithmetic would): a position's bits depend on
+    whether it was decoded or prefilled. Batch invariant (each row alone), within tolerance."""
+    return decode_attention_fused(q, k_cache, v_cache, slot_ids, seq_lens, scale) * NUDGE
+
+
+def decode_attention_triton_nudged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                   slot_ids: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """`decode_attention_nudged` on the triton backend: its exact decode (the prefill kernel on one
+    row), every decoded row nudged."""
+    return decode_attention_triton(q, k_cache, v_cache, slot_ids, seq_lens, scale) * NUDGE

@@ -44,9 +44,12 @@ class Subscriber:
 
 
 def token_delta(request: Request, index: int) -> TokenDelta:
-    """Token `index` of `request`, as sampled (without text). Lock held."""
+    """Token `index` of `request`, as sampled (without text), with its top-k alternatives when
+    asked for, in the result's type. Lock held."""
     last = index == len(request.token_ids) - 1 and request.finish_reason in ("stop", "length")
-    return TokenDelta(request.request_id, index, request.token_ids[index], request.logprobs[index], last=last)
+    top = None if request.params.logprobs is None else list(request.top_logprobs[index])
+    return TokenDelta(request.request_id, index, request.token_ids[index], request.logprobs[index], last=last,
+                      top_logprobs=top)
 
 
 class Delivery:

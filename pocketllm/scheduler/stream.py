@@ -16,6 +16,8 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..outputs import TopLogprobs
+
 REPLACEMENT = "\ufffd"
 
 
@@ -23,7 +25,9 @@ REPLACEMENT = "\ufffd"
 class TokenDelta:
     """Token number `index` (from 0) of request `request_id`. `text`: the text this token adds
     (None without a tokenizer; "" while a character is incomplete). `last`: the request finished
-    with this token (it stopped or reached max_tokens)."""
+    with this token (it stopped or reached max_tokens). `top_logprobs`: with
+    `SamplingParams.logprobs=k`, the k best tokens at this position, the entry the result's
+    `top_logprobs` holds for it (None otherwise), so a streaming client needs no final result."""
 
     request_id: int
     index: int
@@ -31,6 +35,7 @@ class TokenDelta:
     logprob: float
     text: str | None = None
     last: bool = False
+    top_logprobs: TopLogprobs | None = None
 
 
 class TextDeltas:

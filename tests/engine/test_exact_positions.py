@@ -5,9 +5,13 @@ generation's logprobs equal the logprobs of scoring the same sequence (`prompt_l
 Checked on the model's forward (Hypothesis: random sequences, random cuts, every position decoded
 as well) and on the engine (generate, then score prompt + output, serial and batched, with prefix
 reuse and swap preemption), on the torch backend at a realistic width and the triton backend
-(interpreted here) at a tiny one. Negative controls: the option off on either backend, and an
-RMSNorm whose reduction is blocked by the token count (the trap that makes a scoring pass and a
-decode step disagree), make the same checks fail."""
+(interpreted here) at a tiny one. Negative controls, defects planted by construction (tests/planted.py)
+so that they fail on every machine: a decode attention whose rows round differently from prefilled
+ones (the defect of decoding through the split-KV merge) on either backend, a prefill attention whose
+pieces round their first row differently (a cut changes the bits), and an RMSNorm whose reduction is
+blocked by the token count (the trap that makes a scoring pass and a decode step disagree). With the
+option off, the paths still agree to the reference tolerance (whether they differ in the bits is
+the machine's business, so nothing asserts it)."""
 
 from __future__ import annotations
 
@@ -16,8 +20,10 @@ import torch
 from helpers import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from planted import decode_attention_nudged, decode_attention_triton_nudged, prefill_attention_first_row_nudged
 
 from pocketllm import LLM, EngineArgs, SamplingParams, write_checkpoint
+from pocketllm.kernels.decode_attention import decode_attention_split_kv
 from pocketllm.kernels.rms_norm import rms_norm_ref
 from pocketllm.runner import SequenceInput
 from pocketllm.sampling import MAX_LOGPROBS
@@ -32,8 +38,9 @@ def wide_checkpoint(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("wide"), "small", seed=4, num_hidden_layers=2)
 
 
-def _engine(path, backend: str = "torch", exact: bool | None = True, batched: bool = False, **options) -> LLM:
-    return LLM(EngineArgs(model=str(path), max_seq_len=256, backend=backend, backend_options={
+def _engine(path, backend: str = "torch", exact: bool | None = True, batched: bool = False,
+            overrides: dict | None = None, **options) -> LLM:
+    return LLM(EngineArgs(model=str(path), max_seq_len=256, backend=backend, op_overrides=overrides, backend_options={
         "exact_positions": exact, "enable_batching": batched, "background_thread": False, **options}))
 
 
@@ -57,7 +64,7 @@ def _scores(llm: LLM, tokens: list[int], cuts: list[int]) -> list:
 def _mismatch(llm: LLM, tokens: list[int], cuts: list[int]) -> str | None:
     """Where the pieces, the whole sequence and the decode steps disagree (None: nowhere)."""
     whole = _scores(llm, tokens, [])
-    for name, other in (("cut at %s" % cuts, _scores(llm, tokens, cuts)), ("decoded", _scores(llm, tokens, None))):
+    for name, other in ((f"cut at {cuts}", _scores(llm, tokens, cuts)), ("decoded", _scores(llm, tokens, None))):
         for position, (a, b) in enumerate(zip(whole, other)):
             if a != b:
                 return f"position {position}, {name}: {b.logprob!r} vs one piece {a.logprob!r}"
@@ -109,19 +116,42 @@ def _counting_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * (x.float() * torch.rsqrt(mean + eps)).to(x.dtype)
 
 
-@pytest.mark.parametrize("backend,options,overrides", [
-    ("torch", {"exact_positions": False}, {}),
-    pytest.param("triton", {"exact_positions": False}, {}, marks=pytest.mark.slow),
-    ("torch", {"exact_positions": True}, {"rms_norm": _counting_rms_norm}),
-], ids=["torch_exact_off", "triton_split_kv", "rms_norm_blocked_by_token_count"])
-def test_the_checks_fail_when_one_path_rounds_differently(wide_checkpoint, tiny_checkpoint, backend, options,
-                                                          overrides):
-    """Negative controls: the same comparison finds a differing position."""
-    path = wide_checkpoint if backend == "torch" else tiny_checkpoint
-    llm = LLM(EngineArgs(model=str(path), max_seq_len=256, backend=backend, op_overrides=overrides,
-                         backend_options=options))
-    tokens = [(7 * i + 3) % 256 for i in range(70 if backend == "torch" else 12)]
-    assert _mismatch(llm, tokens, [len(tokens) // 2]) is not None
+def _control_case(backend: str, wide_checkpoint, tiny_checkpoint) -> tuple:
+    """(checkpoint, tokens) of the controls: the realistic width on torch, the tiny one (interpreted) on triton."""
+    path, length = (wide_checkpoint, 70) if backend == "torch" else (tiny_checkpoint, 12)
+    return path, [(7 * i + 3) % 256 for i in range(length)]
+
+
+@pytest.mark.parametrize("backend,overrides,kind", [
+    ("torch", {"decode_attention": decode_attention_nudged}, "decoded"),
+    ("torch", {"prefill_attention": prefill_attention_first_row_nudged}, "cut at"),
+    pytest.param("triton", {"decode_attention": decode_attention_triton_nudged}, "decoded", marks=pytest.mark.slow),
+    ("torch", {"rms_norm": _counting_rms_norm}, "decoded"),
+], ids=["decode_attention_nudged", "prefill_first_row_nudged", "triton_decode_attention_nudged",
+        "rms_norm_blocked_by_token_count"])
+def test_the_checks_fail_when_one_path_rounds_differently(wide_checkpoint, tiny_checkpoint, backend, overrides,
+                                                          kind):
+    """Negative controls: with exact positions on and one path planted to round differently, the
+    same comparison finds a differing position, of the kind the defect makes (the cut is compared
+    first, so a decode defect shows as "decoded" only if the cut agreed)."""
+    path, tokens = _control_case(backend, wide_checkpoint, tiny_checkpoint)
+    llm = _engine(path, backend, overrides=overrides)
+    mismatch = _mismatch(llm, tokens, [len(tokens) // 2])
+    assert mismatch is not None and f", {kind}" in mismatch, mismatch
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+def test_without_exact_positions_the_paths_agree_to_tolerance(wide_checkpoint, tiny_checkpoint, backend):
+    """exact_positions=False (the split-KV decode on triton) is a working engine: decoded and cut
+    positions score within tolerance of one piece. Their bits may or may not differ."""
+    path, tokens = _control_case(backend, wide_checkpoint, tiny_checkpoint)
+    llm = _engine(path, backend, exact=False)
+    assert not llm.capabilities.exact_positions
+    if backend == "triton":
+        assert llm.runner.model.ops.decode_attention is decode_attention_split_kv
+    whole = [score.logprob for score in _scores(llm, tokens, [])]
+    for cuts in ([len(tokens) // 2], None):
+        assert [score.logprob for score in _scores(llm, tokens, cuts)] == pytest.approx(whole, abs=1e-4)
 
 
 def _generation_and_score(llm: LLM, prompts, params):

@@ -302,7 +302,9 @@ def test_prompt_plus_max_tokens_equal_to_max_seq_len_is_allowed(llm):
     assert result.error is None and result.finish_reason == "length" and len(result.token_ids) == 4
 
 
-# -- EngineArgs ------------------------------------------------------------------------------------------------------------
+# -- EngineArgs --------------------------------------------------------------------------------------------------------
+
+MAX_BATCH_SIZE_RANGE = r"backend_options\['max_batch_size'\] must be an int in \[1, 1024\]"
 
 BAD_ENGINE_ARGS = [
     (dict(backend="tensorflow"), ValueError, r"backend must be one of .*'tensorflow'"),
@@ -314,11 +316,12 @@ BAD_ENGINE_ARGS = [
     (dict(max_seq_len=64.0), ValueError, r"max_seq_len must be an int >= 2"),
     (dict(max_seq_len="64"), ValueError, r"max_seq_len must be an int >= 2"),
     (dict(backend_options={"max_batch": 4}), ValueError, r"unknown backend_options \['max_batch'\]; allowed: "),
-    (dict(backend_options={"max_batch_size": 0}), ValueError, r"backend_options\['max_batch_size'\] must be an int in \[1, 1024\]"),
-    (dict(backend_options={"max_batch_size": 1025}), ValueError, r"backend_options\['max_batch_size'\] must be an int in \[1, 1024\]"),
-    (dict(backend_options={"max_batch_size": True}), ValueError, r"backend_options\['max_batch_size'\] must be an int in \[1, 1024\]"),
-    (dict(backend_options={"max_batch_size": 4.0}), ValueError, r"backend_options\['max_batch_size'\] must be an int in \[1, 1024\]"),
-    (dict(backend_options={"enable_batching": "yes"}), TypeError, r"backend_options\['enable_batching'\] must be a bool"),
+    (dict(backend_options={"max_batch_size": 0}), ValueError, MAX_BATCH_SIZE_RANGE),
+    (dict(backend_options={"max_batch_size": 1025}), ValueError, MAX_BATCH_SIZE_RANGE),
+    (dict(backend_options={"max_batch_size": True}), ValueError, MAX_BATCH_SIZE_RANGE),
+    (dict(backend_options={"max_batch_size": 4.0}), ValueError, MAX_BATCH_SIZE_RANGE),
+    (dict(backend_options={"enable_batching": "yes"}), TypeError,
+     r"backend_options\['enable_batching'\] must be a bool"),
     (dict(backend_options={"batch_invariant": 1}), TypeError, r"backend_options\['batch_invariant'\] must be a bool"),
     (dict(model=42), TypeError, r"model must be a path to a checkpoint directory, got int"),
 ]

@@ -26,7 +26,8 @@ scalars = st.one_of(
 )
 containers = st.one_of(
     st.lists(st.integers(-3, 300), max_size=6), st.tuples(st.integers(0, 255)), st.lists(scalars, max_size=3),
-    st.lists(st.lists(st.integers(0, 255), max_size=4), max_size=3), st.dictionaries(st.text(max_size=3), scalars, max_size=2),
+    st.lists(st.lists(st.integers(0, 255), max_size=4), max_size=3),
+    st.dictionaries(st.text(max_size=3), scalars, max_size=2),
     st.frozensets(st.integers(0, 255), max_size=3), st.builds(range, st.integers(0, 5), st.integers(0, 9)),
     st.builds(lambda xs, dt: np.array(xs, dtype=dt), st.lists(st.integers(0, 255), max_size=5),
               st.sampled_from(["int64", "int32", "uint8", "float32", "bool"])),

@@ -56,7 +56,7 @@ def test_negative_control_a_row_count_dependent_linear(tiny_checkpoint):
                       engine_args={"op_overrides": {"linear": linear_row_count_dependent}})
     rng = random.Random(0)
     try:
-        for attempt in range(30):
+        for _ in range(30):
             workload = [Job(tuple(rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))),
                             SamplingParams(max_tokens=rng.randint(4, 16), temperature=0.0, ignore_eos=True),
                             arrival_step=rng.randint(0, 3), cancel_step=None)
@@ -111,8 +111,9 @@ def test_batched_equals_serial_at_realistic_width(tmp_path, preset, per_row):
     path = write_checkpoint(tmp_path / preset, preset, seed=9)
     rng = random.Random(5)
     prompts = [[rng.randrange(32000) for _ in range(rng.randint(1, 150))] for _ in range(10)]
-    params = [SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 0.9]), top_k=rng.choice([0, 50]),
-                             top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(2**64), ignore_eos=True)
+    params = [SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 0.9]),
+                             top_k=rng.choice([0, 50]), top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(2**64),
+                             ignore_eos=True)
               for _ in prompts]
     strategy = {"decode_per_row": per_row, "exact_positions": not per_row}
     serial = LLM(EngineArgs(model=str(path), max_seq_len=192, backend_options=strategy)).generate(

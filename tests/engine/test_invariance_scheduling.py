@@ -27,7 +27,8 @@ VOCAB = 256  # the tiny presets
 MAX_SEQ_LEN = 224  # prompts up to 200 tokens, 12 new ones
 
 # Qwen3 and Qwen3.5 (attention-only and hybrid), on both decode strategies of the torch backend.
-VARIANTS = {"tiny": ("tiny", {}), "qwen3.5": ("qwen3.5", {}), "tiny_per_row": ("tiny", {"decode_per_row": True, "exact_positions": False}),
+VARIANTS = {"tiny": ("tiny", {}), "qwen3.5": ("qwen3.5", {}),
+            "tiny_per_row": ("tiny", {"decode_per_row": True, "exact_positions": False}),
             "qwen3.5_mm_untied": ("qwen3.5_mm_untied", {})}
 
 
@@ -105,7 +106,7 @@ def test_negative_control_budget_dependent_cuts(checkpoint_dir, variant):
     engines = Engines(checkpoint_dir(variant), max_seq_len=MAX_SEQ_LEN, engine_args=CUT_SENSITIVE[variant])
     rng = random.Random(0)
     try:
-        for attempt in range(10):
+        for _ in range(10):
             jobs = [Job(tuple(rng.randrange(VOCAB) for _ in range(rng.randint(40, 200))),
                         SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), arrival_step=0,
                         cancel_step=None) for _ in range(3)]

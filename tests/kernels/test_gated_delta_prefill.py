@@ -254,7 +254,8 @@ GDN_CASES = [(gated_delta_prefill_ref, split) for split in GDN_SPLITS] + [  # th
     (gated_delta_prefill_impl, split) for split in (GDN_SPLITS[0], GDN_SPLITS[3])]
 
 
-@pytest.mark.parametrize("fn,split", GDN_CASES, ids=[f"{fn.__name__.split('_')[-1]}-{split[0]}" for fn, split in GDN_CASES])
+@pytest.mark.parametrize("fn,split", GDN_CASES,
+                         ids=[f"{fn.__name__.split('_')[-1]}-{split[0]}" for fn, split in GDN_CASES])
 def test_gated_delta_prefill_split_invariance(fn, split):
     """Cuts at absolute chunk boundaries after a non-zero start: bitwise one-piece outputs and state."""
     start, length, cuts = split

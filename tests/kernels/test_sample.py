@@ -61,7 +61,8 @@ def _lowbias32(x: int) -> int:
 def test_mix32_equals_wraparound_lowbias32():
     """mix32's overflow-free int64 arithmetic computes the 32-bit wrap-around mixer exactly."""
     rng = random.Random(0)
-    values = [0, 1, 2, 0xFFFF, 0x10000, 2**31 - 1, 2**31, MASK32 - 1, MASK32] + [rng.getrandbits(32) for _ in range(2000)]
+    values = [0, 1, 2, 0xFFFF, 0x10000, 2**31 - 1, 2**31, MASK32 - 1, MASK32]
+    values += [rng.getrandbits(32) for _ in range(2000)]
     out = mix32(torch.tensor(values, dtype=torch.int64)).tolist()
     assert out == [_lowbias32(v) for v in values]
 

@@ -173,7 +173,8 @@ def test_unexpected_extra_tensor_is_refused(checkpoint):
     def edit(tensors):
         tensors["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(4, 4)
     _rewrite(checkpoint, edit)
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: unexpected tensor 'model\.layers\.0\.mlp\.extra_proj\.weight'"):
+    unexpected = r"model\.safetensors: unexpected tensor 'model\.layers\.0\.mlp\.extra_proj\.weight'"
+    with pytest.raises(CheckpointError, match=unexpected):
         _engine(checkpoint)
 
 
@@ -192,7 +193,8 @@ def test_rotary_inv_freq_buffers_are_skipped(checkpoint, source_checkpoint):
         tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(16)
     _rewrite(checkpoint, edit)
     params = SamplingParams(max_tokens=4, temperature=0)
-    assert _engine(checkpoint).generate([3, 4], params).token_ids == _engine(source_checkpoint).generate([3, 4], params).token_ids
+    expected = _engine(source_checkpoint).generate([3, 4], params).token_ids
+    assert _engine(checkpoint).generate([3, 4], params).token_ids == expected
 
 
 def test_pickled_weights_are_refused_without_unpickling(checkpoint, monkeypatch):

@@ -12,7 +12,7 @@ table, so a fault strikes inside the model forward, as a real one would.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch

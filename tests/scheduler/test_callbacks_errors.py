@@ -173,7 +173,8 @@ def test_transient_batch_failure_is_retried_per_request(make_llm, drain, monkeyp
     reference = [s.poll_result(rid) for rid in ids]
 
     for is_decode_failing in (False, True):
-        log = failing_run(llm, monkeypatch, lambda i, seqs, f=is_decode_failing: (has_decode if f else has_prefill)(seqs))
+        failing = has_decode if is_decode_failing else has_prefill
+        log = failing_run(llm, monkeypatch, lambda i, seqs, f=failing: f(seqs))
         ids = [s.submit_request(p, greedy(4)) for p in prompts]
         drain(s)
         assert log["failed"] == 1

@@ -99,18 +99,22 @@ def test_validate_prompt_accepts_and_copies():
     assert validate_prompt([1, 2, 3], SamplingParams(max_tokens=4, stop_token_ids=(99,)), 100, 7) == [1, 2, 3]
 
 
+NOT_INTS = r"prompt_tokens must be a list of ints, got {} \(a 1-D integer numpy array or torch tensor is accepted too\)"
+
+
 @pytest.mark.parametrize("prompt,params,error,message", [
     ([1], None, TypeError, r"sampling_params must be a SamplingParams, got NoneType"),
     ([1], "greedy", TypeError, r"sampling_params must be a SamplingParams, got str"),
-    ("abc", PARAMS, TypeError, r"prompt_tokens must be a list of ints, got str \(a 1-D integer numpy array or torch tensor is accepted too\)"),
-    (b"ab", PARAMS, TypeError, r"prompt_tokens must be a list of ints, got bytes \(a 1-D integer numpy array or torch tensor is accepted too\)"),
-    (5, PARAMS, TypeError, r"prompt_tokens must be a list of ints, got int \(a 1-D integer numpy array or torch tensor is accepted too\)"),
+    ("abc", PARAMS, TypeError, NOT_INTS.format("str")),
+    (b"ab", PARAMS, TypeError, NOT_INTS.format("bytes")),
+    (5, PARAMS, TypeError, NOT_INTS.format("int")),
     ([], PARAMS, ValueError, r"prompt_tokens must not be empty"),
     ([1, 2.0], PARAMS, TypeError, r"prompt_tokens\[1\] must be an int, got float"),
     ([True], PARAMS, TypeError, r"prompt_tokens\[0\] must be an int, got bool"),
     ([1, 100], PARAMS, ValueError, r"prompt_tokens\[1\]=100 is outside the vocabulary \[0, 100\)"),
     ([-1], PARAMS, ValueError, r"prompt_tokens\[0\]=-1 is outside the vocabulary \[0, 100\)"),
-    ([1], SamplingParams(stop_token_ids=(100,)), ValueError, r"stop_token_ids entry 100 is outside the vocabulary \[0, 100\)"),
+    ([1], SamplingParams(stop_token_ids=(100,)), ValueError,
+     r"stop_token_ids entry 100 is outside the vocabulary \[0, 100\)"),
     ([1, 2, 3, 4], PARAMS, ValueError, r"prompt length 4 \+ max_tokens 4 exceeds max_seq_len 7"),
 ])
 def test_validate_prompt_refuses(prompt, params, error, message):

@@ -5,12 +5,13 @@ final text, holding back bytes of a character that a token left incomplete."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import subprocess
 import sys
 import threading
 
-from pocketllm import LLM, EngineArgs, GenerationResult, SamplingParams, TokenDelta
+from pocketllm import LLM, AsyncLLM, EngineArgs, GenerationResult, SamplingParams, TokenDelta
 from pocketllm.scheduler.stream import TextDeltas
 
 
@@ -90,6 +91,53 @@ def test_four_threads_streaming_with_cancellation_mid_stream(tiny_checkpoint):
         stats = llm.scheduler.get_stats()
         assert stats.finished + stats.cancelled == 24 and stats.errored == 0
         assert llm.slots.num_free == 4 and not llm.scheduler.has_work
+
+
+def _top_k_requests(rng: random.Random, n: int) -> list[tuple[list[int], SamplingParams]]:
+    """n prompts, each asking for the top k alternatives (k from 0 to 5) or for none."""
+    return [([rng.randrange(256) for _ in range(rng.randint(1, 20))],
+             SamplingParams(max_tokens=rng.randint(1, 10), temperature=rng.choice([0.0, 1.0]), seed=i,
+                            logprobs=rng.choice([None, 0, 1, 5]))) for i in range(n)]
+
+
+def _assert_deltas_carry_the_top_k(deltas: list[TokenDelta], result: GenerationResult, expected: GenerationResult):
+    """The deltas' logprobs and top k are the result's, which are the serial engine's."""
+    assert [d.logprob for d in deltas] == result.logprobs == expected.logprobs
+    tops = [d.top_logprobs for d in deltas]
+    assert tops == (result.top_logprobs if result.top_logprobs is not None else [None] * len(deltas))
+    assert result.top_logprobs == expected.top_logprobs
+
+
+def test_deltas_carry_the_top_logprobs_of_the_result(tiny_checkpoint):
+    """With logprobs=k a streaming client sees what the result holds: each delta's top k is the
+    result's entry for its token (None without logprobs), through stream() one request at a time,
+    on_token callbacks of requests batched together, and concurrent AsyncLLM streams."""
+    requests = _top_k_requests(random.Random(5), 6)
+    serial = LLM(EngineArgs(model=str(tiny_checkpoint), max_seq_len=128))
+    expected = [serial.generate(prompt_tokens=prompt, sampling_params=params) for prompt, params in requests]
+    with _engine(tiny_checkpoint, background_thread=False) as llm:
+        for (prompt, params), cold in zip(requests, expected):
+            _assert_deltas_carry_the_top_k(*_collect(llm.stream(prompt, params)), cold)
+        got: dict[int, list[TokenDelta]] = {}
+        s = llm.scheduler
+        ids = [s.submit_request(prompt, params, on_token=lambda d: got.setdefault(d.request_id, []).append(d))
+               for prompt, params in requests]
+        while s.has_work:
+            s.step()
+        for rid, cold in zip(ids, expected):
+            _assert_deltas_carry_the_top_k(got[rid], s.poll_result(rid), cold)
+
+    async def main() -> list[list]:
+        async with AsyncLLM(EngineArgs(model=str(tiny_checkpoint), max_seq_len=128,
+                                       backend_options={"max_batch_size": 4})) as engine:
+
+            async def items(prompt: list[int], params: SamplingParams) -> list:
+                return [item async for item in engine.stream(prompt, params)]
+
+            return await asyncio.gather(*(items(prompt, params) for prompt, params in requests))
+
+    for (*deltas, result), cold in zip(asyncio.run(main()), expected):
+        _assert_deltas_carry_the_top_k(deltas, result, cold)
 
 
 def test_on_token_callback_gets_every_token_in_order(tiny_checkpoint):

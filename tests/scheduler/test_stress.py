@@ -31,7 +31,7 @@ def make_work(thread_index: int) -> list[tuple[list[int], SamplingParams, str, f
     """Deterministic per-thread workload: (prompt, params, cancel mode, cancel delay, pause after)."""
     rng = random.Random(1000 + thread_index)
     work = []
-    for i in range(PER_THREAD):
+    for _ in range(PER_THREAD):
         prompt = [rng.randrange(256) for _ in range(rng.randint(1, 8))]
         params = SamplingParams(
             max_tokens=rng.randint(1, 6),
@@ -128,7 +128,8 @@ def test_concurrent_submit_cancel_poll(tiny_checkpoint, scheduler_threads):
         assert result.finish_reason in TERMINAL, result
         assert result.error is None
         cb = callback_results[e.request_id]
-        assert (cb.finish_reason, cb.token_ids, cb.logprobs) == (result.finish_reason, result.token_ids, result.logprobs)
+        outputs = (result.finish_reason, result.token_ids, result.logprobs)
+        assert (cb.finish_reason, cb.token_ids, cb.logprobs) == outputs
         assert len(result.token_ids) == len(result.logprobs) <= e.params.max_tokens
         if e.cancel_results:
             assert e.cancel_results[1:] in ([], [False]), "a second cancel must return False"
