@@ -17,7 +17,7 @@ from .cache import RecurrentCacheSpec, SlotCache, cache_bytes, require_memory
 from .config import EngineArgs, ModelConfig
 from .kernels import get_ops
 from .kernels.backends import get_backend
-from .kernels.probe import ProbeReport, probe_row_invariance
+from .kernels.probe import GatedDeltaProbe, ProbeReport, probe_row_invariance
 from .models import build_model
 from .models.registry import layer_specs
 from .outputs import GenerationResult
@@ -154,7 +154,8 @@ class LLM:
         *body, lm_head = self.model.linear_weights()
         exact = get_backend(self.args.backend).exact(options.exact_positions)
         report = probe_row_invariance(ops.linear, ops.prefill_linear, ops.rms_norm, ops.silu_and_mul, ops.sample,
-                                      body, lm_head, cfg.hidden_size, cfg.vocab_size, exact_positions=exact)
+                                      body, lm_head, cfg.hidden_size, cfg.vocab_size, exact_positions=exact,
+                                      gated_delta=self._gated_delta_probe())
         self.invariance_report = report
         if report.ok:
             logger.info("invariance probe: %s", report.summary())
@@ -163,6 +164,14 @@ class LLM:
             logger.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
         return report.ok
+
+    def _gated_delta_probe(self) -> GatedDeltaProbe | None:
+        """The Gated DeltaNet op and head layout the probe checks exact replay on (None: no such layers)."""
+        if not self.cache.has_states:
+            return None
+        cfg = self.model_config
+        return GatedDeltaProbe(self.model.ops.gated_delta_prefill, cfg.linear_num_key_heads,
+                               cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
 
     def _check_memory(self) -> None:
         """Refuse, before any weight is read, a cache (and rope tables, one row per position) larger

@@ -8,6 +8,9 @@ where the engine runs, on the model's own weight matrices and widths (measured o
 
 Each check computes a batch of rows, then the first row alone and the batch rolled so that every
 row moves to another position (and, for the linear layers, another tile), and compares bit for bit.
+With exact positions on a Gated DeltaNet model, exact replay assumes that a chunk's row depends only
+on the rows before it at the fixed chunk shape (the batched matmuls and triangular solves under
+`gated_delta_prefill`); the probe cuts a sequence into pieces, one-token ones too, and compares.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._gated_delta import CHUNK_SIZE, replay_width
 from .linear import ALIGN_BYTES
 from .pointwise import elementwise_invariant
 
@@ -29,6 +33,23 @@ PROBE_PREFILL_ROWS = 135
 ROLL = 7
 # Sampling sorts whole vocabulary rows: fewer rows keep the probe cheap at 150k-entry vocabularies.
 PROBE_SAMPLE_ROWS = 9
+
+
+# Exact replay's probe: a sequence past one chunk boundary, cut after its first token, before and
+# after a one-token piece (a decode step), and inside the second chunk.
+PROBE_REPLAY_TOKENS = CHUNK_SIZE + 6
+PROBE_REPLAY_CUTS = (1, 40, 41, CHUNK_SIZE + 2)
+
+
+@dataclass(frozen=True)
+class GatedDeltaProbe:
+    """A Gated DeltaNet layer's op and head layout, for the exact-replay check."""
+
+    op: Callable[..., torch.Tensor]
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
 
 
 @dataclass(frozen=True)
@@ -108,14 +129,35 @@ def _prefill_rows_are_decode_rows(name: str, linear: Callable, prefill_linear: C
     return [f"{name}: prefill rows differ from the same rows decoded"]
 
 
+def _replay_cut_invariant(probe: GatedDeltaProbe, generator: torch.Generator, device: torch.device,
+                          dtype: torch.dtype) -> list[str]:
+    """Exact replay: a sequence's outputs in pieces are bitwise its outputs in one piece."""
+    n, hk, hv, dk, dv = PROBE_REPLAY_TOKENS, probe.key_heads, probe.value_heads, probe.key_dim, probe.value_dim
+    q, k, v = (torch.randn(n, heads, dim, generator=generator).to(device=device, dtype=dtype)
+               for heads, dim in ((hk, dk), (hk, dk), (hv, dv)))
+    g = (-0.5 * torch.rand(n, hv, generator=generator)).to(device)
+    beta = torch.rand(n, hv, generator=generator).to(device)
+
+    def run(bounds: Sequence[int]) -> torch.Tensor:
+        states = torch.zeros(1, hv, dk, dv, device=device)
+        replay = torch.zeros(1, CHUNK_SIZE, replay_width(hk, dk, hv, dv), device=device)
+        index = functools.partial(torch.tensor, dtype=torch.int64, device=device)
+        return torch.cat([probe.op(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], states, index([0]),
+                                   index([lo]), index([0, hi - lo]), replay) for lo, hi in zip(bounds, bounds[1:])])
+
+    if torch.equal(run([0, n]), run([0, *PROBE_REPLAY_CUTS, n])):
+        return []
+    return ["gated_delta_prefill: a sequence cut into pieces differs from the same sequence in one piece"]
+
+
 def probe_row_invariance(linear: Callable, prefill_linear: Callable, rms_norm: Callable, silu_and_mul: Callable,
                          sample: Callable, body_weights: Sequence[torch.Tensor], lm_head: torch.Tensor,
                          hidden_size: int, vocab_size: int, seed: int = 0,
-                         exact_positions: bool = False) -> ProbeReport:
+                         exact_positions: bool = False, gated_delta: GatedDeltaProbe | None = None) -> ProbeReport:
     """Check the row-wise ops on the model's own weights and widths: `linear` on every distinct
     shape (decode rows and the lm_head), `prefill_linear` on the body's (prefill token rows), and
-    with `exact_positions` that the two give a row the same bits; the inputs are random, drawn
-    from `seed`."""
+    with `exact_positions` that the two give a row the same bits, and that `gated_delta`'s exact
+    replay is cut invariant; the inputs are random, drawn from `seed`."""
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
     device, dtype = lm_head.device, lm_head.dtype
@@ -147,5 +189,8 @@ def probe_row_invariance(linear: Callable, prefill_linear: Callable, rms_norm: C
                                     randn(PROBE_ROWS, hidden_size).float())
         checks.append(f"sample {vocab_size}")
         failures += _sampler_rows_alike(sample, vocab_size, generator, device)
+        if exact_positions and gated_delta is not None:
+            checks.append("gated_delta_prefill replay")
+            failures += _replay_cut_invariant(gated_delta, generator, device, dtype)
     return ProbeReport(not failures, tuple(checks), tuple(failures), torch.get_num_threads(),
                        time.perf_counter() - started)

@@ -262,12 +262,13 @@ def _outputs(result) -> tuple:
 
 
 def test_capabilities_say_where_positions_are_exact(tiny_checkpoint, checkpoint_dir):
-    """On by default on triton, off on torch (its C++ kernel is measured on one CPU so far), never on a Gated
-    DeltaNet hybrid (its decode step and chunked prefill round differently), nor with invariance off."""
+    """On by default on triton, off on torch (its C++ kernel is measured on one CPU so far), on a Gated
+    DeltaNet hybrid too (by replay buffers, which only exact positions allocate), never with invariance off."""
     assert _engine(tiny_checkpoint, exact=None).capabilities.exact_positions is False
     assert _engine(tiny_checkpoint, exact=True).capabilities.exact_positions is True
     assert _engine(tiny_checkpoint, exact=True, batch_invariant=False).capabilities.exact_positions is False
-    assert _engine(checkpoint_dir("qwen3.5"), exact=True).capabilities.exact_positions is False
+    assert _engine(checkpoint_dir("qwen3.5"), exact=True).capabilities.exact_positions is True
+    assert _engine(checkpoint_dir("qwen3.5"), exact=False).cache.replay == [None] * 4
 
 
 def test_per_row_decode_needs_exact_positions_off(tiny_checkpoint):

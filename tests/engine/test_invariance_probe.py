@@ -14,7 +14,7 @@ from pocketllm import LLM, EngineArgs
 from pocketllm.kernels import torch_ops
 from pocketllm.kernels.linear import linear_ref, linear_row_invariant
 from pocketllm.kernels.prefill_linear import prefill_linear_row_invariant
-from pocketllm.kernels.probe import PROBE_PREFILL_ROWS, PROBE_ROWS, ROLL, probe_row_invariance
+from pocketllm.kernels.probe import PROBE_PREFILL_ROWS, PROBE_ROWS, ROLL, GatedDeltaProbe, probe_row_invariance
 
 
 @pytest.mark.parametrize("variant", ["untied_gqa4_bias", "qwen3.5_mm_untied"])
@@ -81,6 +81,38 @@ def test_probe_with_exact_positions_finds_prefill_rows_that_differ_from_decode_r
     report = probe(dataclasses.replace(exact, prefill_linear=lambda x, w, b=None: torch.nextafter(
         linear_row_invariant(x, w, b), torch.tensor(float("inf")))))
     assert report.failures and all("prefill rows differ from the same rows decoded" in f for f in report.failures)
+
+
+def test_probe_checks_exact_replay_on_a_hybrid(checkpoint_dir):
+    llm = LLM(EngineArgs(model=str(checkpoint_dir("qwen3.5")), max_seq_len=64,
+                         backend_options={"exact_positions": True}))
+    assert "gated_delta_prefill replay" in llm.invariance_report.checks
+    assert llm.invariance_report.ok, llm.invariance_report.summary()
+
+
+def _first_row_nudged(op):
+    """The op with the first row of every piece scaled by 1 + 2^-20 (tests/planted.py): a cut
+    changes a position's bits."""
+    def nudged(q, k, v, g, beta, states, slot_ids, start_positions, cu_seqlens, replay=None):
+        out = op(q, k, v, g, beta, states, slot_ids, start_positions, cu_seqlens, replay)
+        out[cu_seqlens[:-1]] = out[cu_seqlens[:-1]] * (1.0 + 2.0**-20)
+        return out
+    return nudged
+
+
+def test_probe_finds_a_cut_dependent_gated_delta_rule():
+    exact = torch_ops(exact_positions=True)
+    weights = [torch.randn(300, 48), torch.randn(48, 96)]
+
+    def probe(op):
+        return probe_row_invariance(exact.linear, exact.prefill_linear, exact.rms_norm, exact.silu_and_mul,
+                                    exact.sample, weights, torch.randn(300, 48), 48, 300, exact_positions=True,
+                                    gated_delta=GatedDeltaProbe(op, 1, 2, 16, 8))
+
+    assert probe(exact.gated_delta_prefill).ok
+    report = probe(_first_row_nudged(exact.gated_delta_prefill))
+    assert report.failures == ("gated_delta_prefill: a sequence cut into pieces differs from the same sequence "
+                               "in one piece",)
 
 
 def test_probe_finds_a_position_dependent_norm():
