@@ -16,7 +16,7 @@ import pytest
 from helpers import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_exact_positions import SCORE, _engine, _mismatch
+from test_exact_positions import SCORE, _engine, _generation_and_score, _mismatch, _workload
 
 from pocketllm import LLM, SamplingParams, write_checkpoint
 
@@ -129,3 +129,31 @@ def test_the_next_turn_reuses_the_previous_answer_on_a_hybrid(checkpoint_dir):
     cold = _engine(path).generate(second_prompt, greedy(5))
     assert (second.token_ids, second.logprobs, second.top_logprobs) == \
         (cold.token_ids, cold.logprobs, cold.top_logprobs)
+
+
+def test_hybrid_swaps_and_budget_cuts_keep_generation_equal_to_scoring(checkpoint_dir):
+    """Batched in 2 slots with prompts cut where a 40-token budget runs out and the running requests
+    swapped out twice mid-generation (their states and replay buffers to host memory):
+    generated logprobs and top 3 equal the scores of prompt + output, and each request equals its
+    cold serial run."""
+    path = checkpoint_dir("qwen3.5")
+    prompts, params = _workload(256)
+    llm = _engine(path, batched=True, max_batch_size=2, max_num_batched_tokens=40, prefill_chunk_size=64,
+                  state_snapshot_interval=64)
+    s = llm.scheduler
+    ids = [s.submit_request(p, sp) for p, sp in zip(prompts, params)]
+    for step in range(400):
+        if step in (5, 30):
+            for i in ids:
+                s.preempt(i)
+        if not s.step():
+            break
+    results = [s.poll_result(i, None) for i in ids]
+    assert s.get_stats().preemptions >= 2
+    cold = _engine(path)
+    for prompt, sp, r in zip(prompts, params, results):
+        alone = cold.generate(prompt, sp)
+        assert (r.token_ids, r.logprobs, r.top_logprobs) == (alone.token_ids, alone.logprobs, alone.top_logprobs)
+    scored = llm.generate([p + r.token_ids for p, r in zip(prompts, results)], [SCORE] * len(prompts))
+    for prompt, r, sc in zip(prompts, results, scored):
+        assert r.logprobs == sc.prompt_logprobs[len(prompt):]
