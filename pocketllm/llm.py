@@ -24,6 +24,7 @@ from .outputs import GenerationResult
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import BatchScheduler, PrefillPolicy, Request, check_submission, is_array
+from .scheduler.policy import check_preemption_mode
 from .scheduler.slots import SlotManager
 from .scheduler.stream import TokenDelta
 from .tokenizer import load_tokenizer
@@ -78,6 +79,7 @@ class LLM:
         self.tokenizer: Tokenizer | None = load_tokenizer(args.model)
         self._ids = itertools.count()
         exact_positions = self._exact_positions(batch_invariant)
+        check_preemption_mode(engine.preemption_mode, exact_positions)  # serial mode too: one configuration
         self.scheduler: BatchScheduler | None = None
         if engine.enable_batching:
             cfg = self.model_config
@@ -85,7 +87,7 @@ class LLM:
                                             cfg.eos_token_ids, engine.background_thread, engine.record_timeline,
                                             request_ids=self._ids, policy=self.policy, max_waiting=engine.max_waiting,
                                             max_swap_bytes=engine.max_swap_bytes, detokenize=self._detokenizer(),
-                                            exact_positions=exact_positions)
+                                            exact_positions=exact_positions, preemption_mode=engine.preemption_mode)
             weakref.finalize(self, self.scheduler.stop)
         # What the slots hold: the scheduler's manager when batched, one for the serial path else.
         self.slots = self.scheduler.slots if self.scheduler is not None else SlotManager(self.cache, self.policy)

@@ -12,15 +12,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 from .kernels.grid import POSITION_GRID
 
+PreemptionMode = Literal["swap", "recompute"]
+PREEMPTION_MODES: tuple[PreemptionMode, ...] = ("swap", "recompute")
 
-def _option(default: Any, doc: str, low: int | None = None, high: int | None = None, multiple: int = 1) -> Any:
-    """A dataclass field carrying its meaning and, for ints, its allowed range (and step)."""
+
+def _option(default: Any, doc: str, low: int | None = None, high: int | None = None, multiple: int = 1,
+            choices: tuple[str, ...] = ()) -> Any:
+    """A dataclass field carrying its meaning and, for ints, its allowed range (and step), for
+    strings the values allowed."""
     return field(default=default, metadata={"doc": doc, "range": None if low is None else (low, high),
-                                            "multiple": multiple})
+                                            "multiple": multiple, "choices": choices})
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,11 @@ class EngineOptions:
                                   "QueueFullError (or waits for room, as the caller asks); 0: no limit", 0, 1 << 31)
     max_swap_bytes: int = _option(0, "batched mode: host memory preempted (swapped-out) requests may hold; a "
                                      "preemption that would exceed it does not happen; 0: no limit", 0, 1 << 62)
+    preemption_mode: PreemptionMode = _option("swap", "batched mode: what preempting a running request does: "
+                                                      "'swap' copies its slot to host memory and back, bit for "
+                                                      "bit; 'recompute' frees the slot and prefills its prompt "
+                                                      "and generated tokens again when it is readmitted (no host "
+                                                      "memory; needs exact positions)", choices=PREEMPTION_MODES)
     enable_prefix_reuse: bool = _option(True, "batched mode: a prompt reuses the prefix a cache slot holds "
                                               "(bitwise as a cold run)")
     state_snapshot_interval: int = _option(512, "prompts are also cut at multiples of this, the positions a prefix "
@@ -86,7 +96,8 @@ def parse_backend_options(raw: Mapping[str, Any] | None) -> Options:
 
     Unknown keys raise ValueError listing the known ones. A bool option given anything but a bool
     raises TypeError; an int option given anything but an int in its range (a bool included, which
-    Python counts as an int) raises ValueError."""
+    Python counts as an int) raises ValueError, and so does a string option given anything but one
+    of its values."""
     raw = {} if raw is None else raw
     if not isinstance(raw, Mapping):
         raise TypeError(f"backend_options must be a dict, got {type(raw).__name__}")
@@ -116,6 +127,11 @@ def _check(name: str, value: Any) -> None:
     if isinstance(spec.default, bool):
         if not isinstance(value, bool):
             raise TypeError(f"backend_options[{name!r}] must be a bool, got {value!r}")
+        return
+    choices = spec.metadata["choices"]
+    if choices:
+        if not isinstance(value, str) or value not in choices:
+            raise ValueError(f"backend_options[{name!r}] must be one of {', '.join(map(repr, choices))}, got {value!r}")
         return
     low, high = spec.metadata["range"]
     multiple = spec.metadata["multiple"]

@@ -42,7 +42,7 @@ class Job:
     arrival_step: int
     cancel_step: int | None  # steps after arrival; None: never cancelled
     priority: int = 0
-    preempt_steps: tuple[int, ...] = ()  # steps after arrival at which it is swapped out if running
+    preempt_steps: tuple[int, ...] = ()  # steps after arrival at which it is preempted if running
 
 
 def sampling_params(max_tokens: int = 24) -> st.SearchStrategy:
@@ -84,17 +84,18 @@ def schedules() -> st.SearchStrategy:
 
 
 def preemption_workloads(vocab: int, max_prompt: int = 150, max_jobs: int = 8,
-                         max_tokens: int = 16) -> st.SearchStrategy:
-    """(jobs, max_batch_size, schedule): priorities 0..2 (so later, more urgent requests swap
-    running ones out when the slots are full) and forced swap-outs at random steps, several per
-    request; prompts long enough to be preempted between prefill pieces too."""
+                         max_tokens: int = 16, min_preempts: int = 0) -> st.SearchStrategy:
+    """(jobs, max_batch_size, schedule): priorities 0..2 (so later, more urgent requests preempt
+    running ones when the slots are full) and forced preemptions at random steps, `min_preempts`
+    to 3 per request; prompts long enough to be preempted between prefill pieces too. Whether a
+    preemption swaps or recomputes is the engines' option (`Engines(..., preemption_mode=...)`)."""
     token = st.integers(0, vocab - 1)
     # Half the prompts span several pieces, so swap-outs land between pieces of a prefill too.
     prompt = st.lists(token, min_size=1, max_size=max_prompt) | st.lists(token, min_size=65, max_size=max_prompt)
     job = st.builds(Job, prompt=prompt.map(tuple),
                     params=sampling_params(max_tokens), arrival_step=st.integers(0, 10),
                     cancel_step=st.none() | st.integers(0, 12), priority=st.integers(0, 2),
-                    preempt_steps=st.lists(st.integers(1, 14), max_size=3).map(tuple))
+                    preempt_steps=st.lists(st.integers(1, 14), min_size=min_preempts, max_size=3).map(tuple))
     return st.tuples(st.lists(job, min_size=1, max_size=max_jobs), st.integers(1, 4), schedules())
 
 

@@ -24,13 +24,14 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import cast, overload
 
 from ..cache import SlotCache
+from ..options import PreemptionMode
 from ..outputs import GenerationResult
 from ..runner import ModelRunner
 from ..sampling import SamplingParams
 from .delivery import Callback, Delivery, Subscriber, TokenCallback, token_delta
 from .loop import SchedulerLoop
 from .planner import Planner
-from .policy import PrefillPolicy, check_policy
+from .policy import PrefillPolicy, check_policy, check_preemption_mode
 from .request import Request, RequestStatus, check_submission
 from .slots import SlotManager
 from .stats import Counters, SchedulerStats
@@ -52,14 +53,18 @@ class BatchScheduler(SchedulerLoop):
                  eos_token_ids: tuple[int, ...] = (), background_thread: bool = True, record_timeline: bool = False,
                  request_ids: Iterator[int] | None = None, policy: PrefillPolicy | None = None,
                  max_waiting: int = 0, max_swap_bytes: int = 0,
-                 detokenize: Callable[[list[int]], str] | None = None, exact_positions: bool = False) -> None:
+                 detokenize: Callable[[list[int]], str] | None = None, exact_positions: bool = False,
+                 preemption_mode: PreemptionMode = "swap") -> None:
         """`max_waiting`: submissions refused (or made to wait) beyond this many waiting requests;
         `max_swap_bytes`: host memory preempted requests may hold (0: no limit, for both).
         `detokenize`: token ids -> text; with it, results and token deltas carry text.
         `exact_positions`: the op table gives a position the same bits decoded or prefilled at any cut,
-        so decoded positions are reusable and a prompt is cut where the step's budget runs out."""
+        so decoded positions are reusable and a prompt is cut where the step's budget runs out.
+        `preemption_mode`: "swap" (a preempted slot copied to host memory and back) or "recompute"
+        (the slot freed, the request's tokens prefilled again on readmission; needs exact_positions)."""
         policy = policy if policy is not None else PrefillPolicy()
         check_policy(policy, cache.num_slots, max_seq_len, cache.has_states, exact_positions)
+        check_preemption_mode(preemption_mode, exact_positions)
         self.runner, self.cache = runner, cache
         self.vocab_size, self.max_seq_len, self.eos_token_ids = vocab_size, max_seq_len, eos_token_ids
         self.max_waiting = max_waiting
@@ -70,7 +75,8 @@ class BatchScheduler(SchedulerLoop):
         self._step_lock = threading.Lock()  # one step at a time, whoever calls it
         self.counters = Counters(record_timeline)
         self.slots = SlotManager(cache, policy, reuse_decoded=exact_positions)
-        self.planner = Planner(self.slots, policy, self.counters, max_swap_bytes, cut_at_budget=exact_positions)
+        self.planner = Planner(self.slots, policy, self.counters, max_swap_bytes, cut_at_budget=exact_positions,
+                               preemption_mode=preemption_mode)
         self.delivery = Delivery(self._lock, self.counters, detokenize)
         self._requests: dict[int, Request] = {}  # submitted, result not yet collected
         self._detached: set[int] = set()  # ids whose results nobody collects: dropped once they end
@@ -110,22 +116,23 @@ class BatchScheduler(SchedulerLoop):
         return self._enqueue(prompt, sampling, priority, self.delivery.subscribe(callback, on_token), until)
 
     def preempt(self, request_id: int) -> bool:
-        """Swap a running request out at the start of the next step: its slot's K/V and states go
-        to host memory bit for bit and the slot is freed; it waits again (in its priority order)
-        and is swapped back into a free slot later, then continues as if never interrupted. False
-        if it is not running (or already ending); SwapSpaceError when `max_swap_bytes` would be
-        exceeded. True sets the swap's bytes aside, so the swap happens unless the request ends
-        first; its size is that after the step in progress, the one the automatic path checks."""
+        """Preempt a running request at the start of the next step: its slot is freed and it waits
+        again (in its priority order), then continues in a free slot later as if never interrupted.
+        By swap, its slot's K/V and states go to host memory bit for bit and come back; by recompute,
+        it prefills its prompt and the tokens it generated again (reusing what a slot still holds),
+        and no token is delivered twice. False if it is not running (or already ending);
+        SwapSpaceError when a swap would exceed `max_swap_bytes`. True sets the swap's bytes aside, so
+        the preemption happens unless the request ends first; its size is that after the step in
+        progress, the one the automatic path checks."""
         with self._lock:
             request = self._requests.get(request_id)
             if (request is None or request.status is not RequestStatus.RUNNING or request.finished
                     or request.cancel_requested or request.preempt_requested):
                 return False
-            if not self.planner.swap_fits(request):
+            if not self.planner.reserve(request):
                 raise SwapSpaceError(f"swapping request {request_id} out would hold {self.slots.swap_bytes(request)} "
                                      f"bytes of host memory (with what is swapped out or set aside), over "
                                      f"max_swap_bytes={self.planner.max_swap_bytes}")
-            self.slots.reserve(request)
             request.preempt_requested = True
             return True
 

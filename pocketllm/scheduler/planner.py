@@ -7,9 +7,12 @@ request at its best prefix placement, a preempted one swapped back in). A prompt
 the policy's request-local grid says, never where the budget runs out, so a long prompt does not
 stall the running requests for its whole prefill and its bits do not move; with exact positions
 (`cut_at_budget`), where a position's bits do not depend on the cut, a piece that does not fit is
-cut where the budget runs out instead of waiting for the next step. Before that, it swaps
-out what must make room (preempt() asked for it, or a waiting request outranks a running one and
-no slot is free). It has no lock and no thread: the facade calls it under its own lock.
+cut where the budget runs out instead of waiting for the next step. Before that, it preempts
+what must make room (preempt() asked for it, or a waiting request outranks a running one and
+no slot is free): by swap, its slot copied to host memory and back, or by recompute, its slot
+freed and its prompt and generated tokens prefilled again once readmitted (exact only with exact
+positions, where a re-prefilled position has the bits its decode step gave). It has no lock and no
+thread: the facade calls it under its own lock.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
+from ..options import PreemptionMode
 from ..runner import SequenceInput
 from .execute import Outcome, Work
 from .policy import PrefillPolicy
@@ -27,12 +31,13 @@ from .stats import Counters
 
 class Planner:
     def __init__(self, slots: SlotManager, policy: PrefillPolicy, counters: Counters, max_swap_bytes: int,
-                 cut_at_budget: bool = False) -> None:
+                 cut_at_budget: bool = False, preemption_mode: PreemptionMode = "swap") -> None:
         self.slots = slots
         self.cut_at_budget = cut_at_budget
         self.policy = policy
         self.counters = counters
-        self.max_swap_bytes = max_swap_bytes  # 0: no limit
+        self.max_swap_bytes = max_swap_bytes  # 0: no limit; swap only
+        self.recompute = preemption_mode == "recompute"
         self.waiting: list[Request] = []  # in scheduling order (Request.order)
         self.running: list[Request] = []
         self._ended: list[Request] = []  # ended without a slot since the last complete()
@@ -41,9 +46,19 @@ class Planner:
         bisect.insort(self.waiting, request, key=lambda r: r.order)
 
     def swap_fits(self, request: Request) -> bool:
-        """Whether swapping `request` out once the step in progress is over (see
-        `Request.cached_after_step`) stays within max_swap_bytes, beside what is held or reserved."""
-        return not self.max_swap_bytes or self.slots.swap_bytes(request) <= self.max_swap_bytes
+        """Whether preempting `request` once the step in progress is over (see
+        `Request.cached_after_step`) stays within max_swap_bytes, beside what is held or reserved;
+        always by recompute, which holds no host memory."""
+        return self.recompute or not self.max_swap_bytes or self.slots.swap_bytes(request) <= self.max_swap_bytes
+
+    def reserve(self, request: Request) -> bool:
+        """Set aside what preempting `request` at the next step takes (preempt()): its swap's bytes,
+        False if they do not fit; nothing by recompute."""
+        if not self.swap_fits(request):
+            return False
+        if not self.recompute:
+            self.slots.reserve(request)
+        return True
 
     def plan(self) -> Work:
         """This step's work: swap out what must make room, then a decode row for every running
@@ -51,7 +66,7 @@ class Planner:
         waiting ones); the first piece that does not fit ends the step's prefill."""
         self._preempt()
         live = sorted((r for r in self.running if not r.finished and not r.cancel_requested), key=lambda r: r.order)
-        work = [(r, r.decode_input()) for r in live if r.token_ids]
+        work = [(r, r.decode_input()) for r in live if r.decoding]
         budget = self.policy.max_num_batched_tokens - len(work)
         for request in live:
             if request.prefilling:
@@ -89,16 +104,17 @@ class Planner:
 
     def _admit(self, request: Request, budget: int) -> bool:
         """Move the first waiting request into a free slot if its next input fits in `budget`."""
+        if request.preempted_step == self.counters.steps:  # preempted this very step: not back yet
+            return False
         if request.swapped is not None:
-            if request.swapped_step == self.counters.steps:  # swapped out this very step: not back yet
-                return False
             cost = 1 if request.token_ids else self.policy.piece_len(request.num_prefilled, len(request.prompt_tokens))
             if not self._fits(cost, budget):
                 return False
             self.slots.swap_in(request)
         else:
-            placement = self.slots.place(request.prompt_tokens, reuse=not request.scores_prompt)
-            if not self._fits(self.policy.piece_len(placement.reused, len(request.prompt_tokens)), budget):
+            tokens = request.prefill_tokens  # a request preempted by recompute reuses what it can of them too
+            placement = self.slots.place(tokens, reuse=not request.scores_prompt)
+            if not self._fits(self.policy.piece_len(placement.reused, len(tokens)), budget):
                 return False
             self.slots.admit(request, placement)
             if placement.reused:
@@ -119,13 +135,13 @@ class Planner:
         self._ended.append(request)
 
     def _preempt(self) -> None:
-        """Swap out the running requests preempt() asked for, then, while the first waiting request
+        """Preempt the running requests preempt() asked for, then, while the first waiting request
         outranks a running one and no slot is free, the lowest-ranked running request (the latest
         among equal priorities), as far as max_swap_bytes allows."""
         for request in [r for r in self.running if r.preempt_requested]:
             self.slots.unreserve(request)  # preempt() held its bytes: the swap fits
             if not request.finished and not request.cancel_requested:
-                self._swap_out(request)
+                self._evict(request)
             else:
                 request.preempt_requested = False
         while self.waiting and self.slots.num_free == 0:
@@ -133,17 +149,34 @@ class Planner:
             victim = max(live, key=lambda r: r.order, default=None)
             if victim is None or victim.priority <= self.waiting[0].priority or not self.swap_fits(victim):
                 return
-            self._swap_out(victim)
+            self._evict(victim)
+
+    def _evict(self, request: Request) -> None:
+        """Take a running request's slot away (by swap or by recompute) and queue it again, in its
+        scheduling order."""
+        if self.recompute:
+            self._drop(request)
+        else:
+            self._swap_out(request)
+        request.status = RequestStatus.WAITING
+        request.preempt_requested, request.preempted_step = False, self.counters.steps
+        self.running.remove(request)
+        self.enqueue(request)
+        self.counters.counts["preemptions"] += 1
 
     def _swap_out(self, request: Request) -> None:
         self.slots.swap_out(request)
         assert request.swapped is not None
-        request.status = RequestStatus.WAITING
-        request.preempt_requested, request.swapped_step = False, self.counters.steps
-        self.running.remove(request)
-        self.enqueue(request)
-        self.counters.counts["preemptions"] += 1
         self.counters.counts["swapped_bytes"] += request.swapped.nbytes
+
+    def _drop(self, request: Request) -> None:
+        """Free the slot (what it holds stays a prefix donor, for this request's re-prefill too) and
+        make the request prefill everything again."""
+        counts = self.counters.counts
+        counts["recomputes"] += 1
+        counts["recomputed_tokens"] += request.num_cached
+        self.slots.release(request)
+        request.restart()
 
     def apply(self, work: Work, outcomes: Sequence[Outcome]) -> list[Request]:
         """Record each request's outcome of the forward; returns the requests that sampled."""

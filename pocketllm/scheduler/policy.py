@@ -13,7 +13,7 @@ import numbers
 from dataclasses import dataclass
 
 from ..kernels.grid import POSITION_GRID
-from ..options import EngineOptions
+from ..options import PREEMPTION_MODES, EngineOptions
 
 
 @dataclass(frozen=True)
@@ -99,3 +99,14 @@ def check_policy(policy: PrefillPolicy, max_batch_size: int, max_seq_len: int, k
     if keeps_states and policy.prefix_reuse and policy.reuse_grid and not policy.snapshot_interval:
         raise ValueError("prefix_reuse on a model with recurrent states needs snapshot_interval > 0 (the positions "
                          "its states are kept at), got snapshot_interval=0; set prefix_reuse=False or an interval")
+
+
+def check_preemption_mode(mode: object, exact_positions: bool) -> None:
+    """ValueError unless `mode` is a preemption mode the engine can run exactly: recompute re-prefills
+    generated tokens, which gives them the bits their decode steps gave only with exact positions."""
+    if mode not in PREEMPTION_MODES:
+        raise ValueError(f"preemption_mode must be one of {', '.join(map(repr, PREEMPTION_MODES))}, got {mode!r}")
+    if mode == "recompute" and not exact_positions:
+        raise ValueError("preemption_mode='recompute' needs exact positions (backend_options['exact_positions']=True "
+                         "on a model where llm.capabilities.exact_positions holds): without them a re-prefilled token "
+                         "rounds differently from its decode step; use preemption_mode='swap'")

@@ -131,7 +131,7 @@ class SlotManager:
                 assert placement.donor is not None
                 self.cache.copy_prefix(placement.donor, slot, reused)
             self.index.truncate(slot, 0)
-            self.index.extend(slot, request.prompt_tokens, reused)
+            self.index.extend(slot, request.prefill_tokens, reused)
         except BaseException:
             self._discard(slot)
             raise
@@ -146,15 +146,15 @@ class SlotManager:
         request.slot, request.num_prefilled = slot, 0
 
     def prefilled(self, request: Request) -> None:
-        """The request's slot now holds its prompt up to `num_prefilled`: keep its states there when
-        that is on the snapshot grid, and index it."""
+        """The request's slot now holds its prefill tokens up to `num_prefilled`: keep its states there
+        when that is on the snapshot grid, and index it."""
         slot, length = request.assigned_slot, request.num_prefilled
         if slot in self._unindexed:
             return
         interval = self.policy.snapshot_interval
         if interval and length % interval == 0:
             self.cache.save_prefix_state(slot, length)
-        self.index.extend(slot, request.prompt_tokens, length)
+        self.index.extend(slot, request.prefill_tokens, length)
 
     def decoded(self, request: Request) -> None:
         """A decode step wrote the request's position num_cached - 1: with `reuse_decoded`, keep its
@@ -165,8 +165,8 @@ class SlotManager:
             self.cache.save_prefix_state(slot, length)
 
     def release(self, request: Request) -> None:
-        """Free an ended request's slot. A failed request's slot claims no contents: a failed
-        forward may have written them."""
+        """Free the slot of a request that ended or is preempted by recompute. A failed request's
+        slot claims no contents: a failed forward may have written them."""
         slot = request.assigned_slot
         if request.finish_reason == "error":
             self._discard(slot)

@@ -48,11 +48,13 @@ class SchedulerStats:
     cache_bytes: int  # size of the slot cache the scheduler runs on
     prefill_chunks: int  # prefill pieces run (a prompt cut into n pieces counts n)
     mixed_steps: int  # forwards that ran decode rows and prefill pieces together
-    prefix_hits: int  # requests that reused a prefix held by a slot
+    prefix_hits: int  # admissions that reused a prefix held by a slot (a recompute's readmission too)
     prefix_copies: int  # ... of which copied it from a busy slot
-    prefix_tokens_reused: int  # prompt tokens not prefilled thanks to reuse
+    prefix_tokens_reused: int  # tokens not prefilled thanks to reuse
     state_snapshot_bytes: int  # Gated DeltaNet state copies held now, for prefix reuse
-    preemptions: int  # requests swapped out (a request swapped out twice counts twice)
+    preemptions: int  # requests preempted, by swap or recompute (a request preempted twice counts twice)
+    recomputes: int  # ... of which by recompute (preemption_mode="recompute")
+    recomputed_tokens: int  # positions those freed slots held, prefilled again on readmission unless reused
     swapped_out: int  # requests swapped out now, waiting to come back
     swap_bytes_held: int  # host memory their slots take now
     swapped_bytes: int  # bytes copied out by every preemption so far
@@ -121,7 +123,8 @@ class Counters:
             decode_batches=c["decode_batches"], callback_errors=c["callback_errors"], busy_time_s=self.busy_time,
             prefill_chunks=c["prefill_chunks"], mixed_steps=c["mixed_steps"], prefix_hits=c["prefix_hits"],
             prefix_copies=c["prefix_copies"], prefix_tokens_reused=c["prefix_tokens_reused"],
-            preemptions=c["preemptions"], swapped_bytes=c["swapped_bytes"],
+            preemptions=c["preemptions"], recomputes=c["recomputes"], recomputed_tokens=c["recomputed_tokens"],
+            swapped_bytes=c["swapped_bytes"],
             ttft_mean_s=mean(ttfts), ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
             total_time_mean_s=mean(totals), total_time_p50_s=percentile(totals, 50),
             total_time_p99_s=percentile(totals, 99), **now)

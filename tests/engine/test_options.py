@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -17,7 +18,7 @@ def test_none_and_empty_mean_defaults():
     assert args.backend_options == {"enable_batching": False, "max_batch_size": 8, "background_thread": True,
                                     "record_timeline": False, "max_num_batched_tokens": 2048,
                                     "prefill_chunk_size": 512, "max_waiting": 0, "max_swap_bytes": 0,
-                                    "enable_prefix_reuse": True,
+                                    "preemption_mode": "swap", "enable_prefix_reuse": True,
                                     "state_snapshot_interval": 512, "batch_invariant": True,
                                     "invariance_probe": True, "decode_per_row": False, "exact_positions": None}
 
@@ -47,3 +48,11 @@ def test_not_a_dict_is_refused():
 def test_chunk_and_interval_are_multiples_of_64(name, value):
     with pytest.raises(ValueError, match=rf"backend_options\['{name}'\] must be an int in \[.*got {value}"):
         EngineArgs(model="x", backend_options={name: value})
+
+
+@pytest.mark.parametrize("value", ["lru", "Swap", "", None, 1, True])
+def test_preemption_mode_is_swap_or_recompute(value):
+    assert parse_backend_options({"preemption_mode": "recompute"}).engine.preemption_mode == "recompute"
+    with pytest.raises(ValueError, match=rf"backend_options\['preemption_mode'\] must be one of 'swap', 'recompute', "
+                                         rf"got {re.escape(repr(value))}"):
+        EngineArgs(model="x", backend_options={"preemption_mode": value})

@@ -43,20 +43,21 @@ CALLBACK_ACTIONS = ["record", "cancel_other", "submit_more", "generate", "poll_s
 
 
 class _Reference:
-    """Cold serial runs, one engine for the whole test session, cached by (prompt, params)."""
+    """Cold serial runs, one engine per exact_positions option (None: the backend's default) for the
+    whole test session, cached by (prompt, params)."""
 
     def __init__(self) -> None:
-        self.llm: LLM | None = None
+        self.llms: dict[bool | None, LLM] = {}
         self.runs: dict = {}
 
-    def __call__(self, path, prompt: list[int], p: SamplingParams) -> GenerationResult:
-        if self.llm is None:
-            self.llm = LLM(EngineArgs(model=str(path), max_seq_len=MAX_SEQ_LEN, backend_options={
+    def __call__(self, path, prompt: list[int], p: SamplingParams, exact: bool | None = None) -> GenerationResult:
+        if exact not in self.llms:
+            self.llms[exact] = LLM(EngineArgs(model=str(path), max_seq_len=MAX_SEQ_LEN, backend_options={
                 "prefill_chunk_size": OPTIONS["prefill_chunk_size"],
-                "state_snapshot_interval": OPTIONS["state_snapshot_interval"]}))
-        key = (tuple(prompt), p)
+                "state_snapshot_interval": OPTIONS["state_snapshot_interval"], "exact_positions": exact}))
+        key = (tuple(prompt), p, exact)
         if key not in self.runs:
-            self.runs[key] = self.llm.generate(prompt, p)
+            self.runs[key] = self.llms[exact].generate(prompt, p)
         return self.runs[key]
 
 
@@ -64,11 +65,12 @@ REFERENCE = _Reference()
 class SchedulerMachine(RuleBasedStateMachine):
     background = False
     checkpoint = None  # set by the test
+    options: dict = {}  # more backend options (and its reference's exact_positions)
 
     def __init__(self) -> None:
         super().__init__()
         self.llm = LLM(EngineArgs(model=str(self.checkpoint), max_seq_len=MAX_SEQ_LEN, backend_options={
-            "enable_batching": True, "background_thread": self.background, **OPTIONS,
+            "enable_batching": True, "background_thread": self.background, **OPTIONS, **self.options,
             # A long request's and a short one's worth of swap space, so preempt() is refused sometimes.
             "max_swap_bytes": swap_size(self.checkpoint, 120) + swap_size(self.checkpoint, 30)}))
         self.s = self.llm.scheduler
@@ -241,7 +243,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.s.configure(PrefillPolicy(float(budget_tokens), 64, 64, reuse))
         elif bad == "small":
             with pytest.raises(ValueError):
-                self.s.configure(PrefillPolicy(8, 64, 64, reuse))
+                self.s.configure(PrefillPolicy(1, 64, 64, reuse))  # under 2 decode rows: refused, exact or not
         else:
             policy = PrefillPolicy(max(budget_tokens, 65), 64, 64, reuse)
             try:
@@ -275,7 +277,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _check_bits(self, rid: int, result: GenerationResult) -> None:
         prompt, p = self.specs[rid]
-        cold = REFERENCE(self.checkpoint, prompt, p)
+        cold = REFERENCE(self.checkpoint, prompt, p, self.options.get("exact_positions"))
         n = len(result.token_ids)
         if result.finish_reason == "cancelled":
             assert (result.token_ids, result.logprobs) == (cold.token_ids[:n], cold.logprobs[:n])
@@ -349,9 +351,9 @@ class BackgroundMachine(SchedulerMachine):
         assert self.llm.slots.num_free == self.llm.cache.num_slots
 
 
-def _run(machine: type[SchedulerMachine], checkpoint) -> None:
+def _run(machine: type[SchedulerMachine], checkpoint, fraction: float = 0.5) -> None:
     machine.checkpoint = checkpoint
-    machine.TestCase.settings = settings(settings(), max_examples=budget(0.5), stateful_step_count=25)
+    machine.TestCase.settings = settings(settings(), max_examples=budget(fraction), stateful_step_count=25)
     machine.TestCase().runTest()
 
 
