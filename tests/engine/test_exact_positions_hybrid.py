@@ -131,15 +131,17 @@ def test_the_next_turn_reuses_the_previous_answer_on_a_hybrid(checkpoint_dir):
         (cold.token_ids, cold.logprobs, cold.top_logprobs)
 
 
-def test_hybrid_swaps_and_budget_cuts_keep_generation_equal_to_scoring(checkpoint_dir):
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_hybrid_preemption_and_budget_cuts_keep_generation_equal_to_scoring(checkpoint_dir, mode):
     """Batched in 2 slots with prompts cut where a 40-token budget runs out and the running requests
-    swapped out twice mid-generation (their states and replay buffers to host memory):
+    preempted twice mid-generation (swap: their states and replay buffers to host memory;
+    recompute: prompt and generated tokens prefilled again, from a kept prefix where one is):
     generated logprobs and top 3 equal the scores of prompt + output, and each request equals its
     cold serial run."""
     path = checkpoint_dir("qwen3.5")
     prompts, params = _workload(256)
     llm = _engine(path, batched=True, max_batch_size=2, max_num_batched_tokens=40, prefill_chunk_size=64,
-                  state_snapshot_interval=64)
+                  state_snapshot_interval=64, preemption_mode=mode)
     s = llm.scheduler
     ids = [s.submit_request(p, sp) for p, sp in zip(prompts, params)]
     for step in range(400):
