@@ -15,8 +15,9 @@ import torch
 
 from .cache import RecurrentCacheSpec, SlotCache, cache_bytes, require_memory
 from .config import EngineArgs, ModelConfig
-from .kernels import get_ops
+from .kernels import Ops, get_ops
 from .kernels.backends import get_backend
+from .kernels.gated_delta_prefill import needs_replay
 from .kernels.probe import GatedDeltaProbe, ProbeReport, probe_row_invariance
 from .models import build_model
 from .models.registry import layer_specs
@@ -102,13 +103,12 @@ class LLM:
 
     def _build(self) -> bool:
         """Model, cache and runner, then the invariance check; returns whether outputs are batch invariant."""
-        args, backend = self.args, self.args.options.backend
-        ops = get_ops(args.backend, backend.batch_invariant, backend.decode_per_row, args.op_overrides,
-                      backend.exact_positions)
+        args = self.args
+        ops = self._op_table()
         self.model = build_model(args.model, self.model_config, ops, args.torch_dtype, self.device,
                                  args.max_seq_len)
         self.cache = SlotCache(args.max_batch_size, args.max_seq_len, self.model.cache_specs(), args.torch_dtype,
-                               self.device, replay=self._exact_requested())
+                               self.device, replay=self._replay_buffers(ops))
         self.runner = ModelRunner(self.model, self.cache, self.device)
         return self._check_invariance()
 
@@ -130,6 +130,16 @@ class LLM:
         batched = self.args.options.engine.enable_batching  # the serial path reuses nothing
         interval = self.policy.snapshot_interval if self.policy.prefix_reuse and batched else 0
         return (self.args.max_seq_len - 1) // interval * self._state_bytes() if interval else 0
+
+    def _op_table(self) -> Ops:
+        args, backend = self.args, self.args.options.backend
+        return get_ops(args.backend, backend.batch_invariant, backend.decode_per_row, args.op_overrides,
+                       backend.exact_positions)
+
+    def _replay_buffers(self, ops: Ops) -> bool:
+        """Whether Gated DeltaNet layers keep replay buffers: for exact positions, unless their op
+        computes every position alike without them (the recurrent one)."""
+        return self._exact_requested() and needs_replay(ops.gated_delta_prefill)
 
     def _exact_requested(self) -> bool:
         """Whether the op table and the cache are built for exact positions (`exact_positions`, or
@@ -172,15 +182,16 @@ class LLM:
         if not self.cache.has_states:
             return None
         cfg = self.model_config
-        return GatedDeltaProbe(self.model.ops.gated_delta_prefill, cfg.linear_num_key_heads,
-                               cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        op = self.model.ops.gated_delta_prefill
+        return GatedDeltaProbe(op, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                               cfg.linear_value_head_dim, needs_replay(op))
 
     def _check_memory(self) -> None:
         """Refuse, before any weight is read, a cache (and rope tables, one row per position) larger
         than the device's available memory: ValueError naming max_seq_len and max_batch_size."""
         cfg, args = self.model_config, self.args
         slots = cache_bytes(args.max_batch_size, args.max_seq_len, layer_specs(cfg), args.torch_dtype,
-                            self._exact_requested())
+                            self._replay_buffers(self._op_table()))
         rope = 2 * args.max_seq_len * cfg.rotary_dim * 4
         snapshots = args.max_batch_size * self._snapshot_bytes_per_slot()
         require_memory(slots + rope + snapshots, self.device,

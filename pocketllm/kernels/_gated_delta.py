@@ -16,7 +16,9 @@ moves on only when a chunk is complete. The work per step is bounded by the chun
 import torch
 
 from .checks import check_dtype, check_groups, check_shape
+from .cpu.extension import load_extension, unavailable_reason
 from .grid import POSITION_GRID
+from .pointwise import elementwise_invariant
 from .spec import Cost, size
 
 CHUNK_SIZE = POSITION_GRID  # chunks sit on the position grid, so a cut on it leaves them whole
@@ -117,3 +119,22 @@ def gated_delta_cost(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     written = tokens * v_heads * dim_v * v.element_size()
     return Cost(size(q, k, v, g, beta, slot_ids, *indices) + written + 2 * state_bytes,
                 7 * tokens * v_heads * states.shape[2] * dim_v)
+
+
+def gated_delta_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          states: torch.Tensor, slot_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Both ops' `recurrent` implementation: the rule token by token in pocketllm's C++ kernel
+    (`kernels/cpu/gated_delta.cpp`, its own fixed order), for prefill pieces and decode steps
+    alike, so a position gets the same bits in either and wherever a prompt was cut, without
+    replay buffers (the torch backend's choice with exact positions)."""
+    module = load_extension()
+    if module is None:
+        raise RuntimeError(f"the recurrent gated delta rule needs pocketllm's C++ CPU kernels: {unavailable_reason()}")
+    _check_gated_delta_args(q, k, v, g, beta, states)
+    if not states.is_contiguous():
+        raise ValueError("states must be contiguous for the recurrent gated delta rule")
+    decay = elementwise_invariant(torch.exp, g.float())
+    out = module.gated_delta_recurrent(q.float().contiguous(), k.float().contiguous(), v.float().contiguous(),
+                                       decay.contiguous(), beta.float().contiguous(), states,
+                                       slot_ids.long().contiguous(), cu_seqlens.long().contiguous())
+    return out.to(v.dtype)

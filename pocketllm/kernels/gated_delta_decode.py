@@ -7,7 +7,7 @@ from typing import Protocol
 import torch
 
 from ._cases import GDN, decode_grid, gdn_slot, gdn_tokens, no_shared
-from ._gated_delta import _check_gated_delta_args, _l2norm, gated_delta_cost
+from ._gated_delta import _check_gated_delta_args, _l2norm, gated_delta_cost, gated_delta_recurrent
 from ._triton import kernel_device_ok, tl, triton
 from .checks import check_shape
 from .pointwise import elementwise_invariant
@@ -36,6 +36,14 @@ def gated_delta_decode_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     state = state + kh[..., None] * delta[..., None, :]
     states[slot_ids] = state
     return (state * qh[..., None]).sum(dim=-2).to(v.dtype)
+
+
+def gated_delta_decode_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                 beta: torch.Tensor, states: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    """One token per sequence through `_gated_delta.gated_delta_recurrent` (C++, CPU), the function
+    `gated_delta_prefill_recurrent` runs on prompts: a decoded position gets a prefilled one's bits."""
+    cu_seqlens = torch.arange(q.shape[0] + 1, dtype=torch.int64, device=q.device)
+    return gated_delta_recurrent(q, k, v, g, beta, states, slot_ids, cu_seqlens)
 
 
 DECODE_BLOCK_DV = 64  # value columns per decode program (capped by Dv)
@@ -108,7 +116,8 @@ def _launches(step: Step) -> list[Call]:
 
 
 OP = OpSpec("gated_delta_decode", GatedDeltaDecode,
-            {"ref": gated_delta_decode_ref, "triton": gated_delta_decode_triton}, order=120,
+            {"ref": gated_delta_decode_ref, "triton": gated_delta_decode_triton,
+             "recurrent": gated_delta_decode_recurrent}, order=120,
             cases=Layout(gdn_tokens, gdn_slot, no_shared,
                          [(dims, decode_grid(lengths)) for dims in GDN for lengths in ([1], [3, 1, 70, 2])]),
             launches=_launches, cost=gated_delta_cost)

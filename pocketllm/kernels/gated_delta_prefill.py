@@ -19,6 +19,7 @@ from ._gated_delta import (
     _prepare,
     check_replay,
     gated_delta_cost,
+    gated_delta_recurrent,
     save_replay,
     with_replayed,
 )
@@ -299,6 +300,23 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     return out
 
 
+def gated_delta_prefill_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                  beta: torch.Tensor, states: torch.Tensor, slot_ids: torch.Tensor,
+                                  start_positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                                  replay: torch.Tensor | None = None) -> torch.Tensor:
+    """The token-by-token recurrence of `_gated_delta.gated_delta_recurrent` (C++, CPU): the same
+    function as `gated_delta_decode_recurrent`, so exact along the sequence with no replay buffer."""
+    if replay is not None:
+        raise ValueError("the recurrent gated delta rule keeps no replay buffers: replay must be None")
+    return gated_delta_recurrent(q, k, v, g, beta, states, slot_ids, cu_seqlens)
+
+
+def needs_replay(implementation: object) -> bool:
+    """Whether an implementation of this op gives a position the same bits in any piece only with
+    replay buffers: the chunked ones (and any unknown one); not the recurrent one."""
+    return implementation is not gated_delta_prefill_recurrent
+
+
 def _launches(step: Step) -> list[Call]:
     """Prefill pieces, plain and with exact replay; decode steps too with exact replay (exact
     positions run them through this op)."""
@@ -315,7 +333,8 @@ def _launches(step: Step) -> list[Call]:
 
 
 OP = OpSpec("gated_delta_prefill", GatedDeltaPrefill,
-            {"ref": gated_delta_prefill_ref, "triton": gated_delta_prefill_triton}, order=110,
+            {"ref": gated_delta_prefill_ref, "triton": gated_delta_prefill_triton,
+             "recurrent": gated_delta_prefill_recurrent}, order=110,
             cases=Layout(gdn_tokens, gdn_slot, no_shared,
                          [(dims, seqs) for dims in GDN
                           for seqs in ([(1, 0)], [(5, 0), (70, 3), (1, 64)], [(130, 0), (63, 1)])], splittable=True),

@@ -1,13 +1,16 @@
-"""Exact positions on the Qwen3.5 hybrids: with Gated DeltaNet layers kept exact by replay (the
-state at the last chunk boundary plus the inputs since, every piece and decode step recomputing
-its chunk), a position's logprobs are bitwise the same decoded, prefilled in a piece cut
-anywhere, or scored, so generated logprobs equal the scores of the same sequence.
+"""Exact positions on the Qwen3.5 hybrids: a position's logprobs are bitwise the same decoded,
+prefilled in a piece cut anywhere, or scored, so generated logprobs equal the scores of the same
+sequence. The Gated DeltaNet layers keep it in one of two ways: the torch backend runs the rule
+token by token in its C++ kernel for prefill and decode alike (`recurrent`); the chunked forms (the
+triton kernel, and the torch reference where no compiler is found) keep exact replay (the state at
+the last chunk boundary plus the inputs since, every piece and decode step recomputing its chunk).
+The torch checks run both (`REPLAY` overrides the ops to the chunked reference).
 
 Both checkpoint layouts, the torch backend at a tiny and (under `slow`) a realistic width, and the
 triton backend (interpreted here, under `slow`) at a tiny one; the sequences cross the 64-position
-chunk boundary on the torch backend. Negative control: the Gated DeltaNet layers without replay (a
-decode step through the recurrent form, a cut piece continuing its chunk's partial state) make the
-same checks fail.
+chunk boundary on the torch backend. Negative controls: the chunked form without its replay buffers (a decode step
+through the recurrent form, a cut piece continuing its chunk's partial state), and a recurrent
+decode step one ulp away, make the same checks fail.
 """
 
 from __future__ import annotations
@@ -16,9 +19,18 @@ import pytest
 from helpers import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_exact_positions import SCORE, _engine, _generation_and_score, _mismatch, _workload
+from test_exact_positions import SCORE, _engine, _mismatch, _workload
 
 from pocketllm import LLM, SamplingParams, write_checkpoint
+from pocketllm.kernels.gated_delta_decode import gated_delta_decode_recurrent
+
+# The torch backend's two exact Gated DeltaNet paths: its default (C++, token by token) and the
+# chunked reference with replay buffers (its path without a compiler).
+REPLAY = {"gated_delta_prefill": "ref", "gated_delta_decode": "ref"}
+GDN_PATHS = pytest.mark.parametrize("gdn", [None, REPLAY], ids=["recurrent", "replay"])
+# The replay path's second run of a check, under `slow`: slower on the CPU, and not its default.
+GDN_PATHS_REPLAY_SLOW = pytest.mark.parametrize("gdn", [None, pytest.param(REPLAY, marks=pytest.mark.slow)],
+                                                ids=["recurrent", "replay"])
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +58,10 @@ def _fresh_slots(llm: LLM) -> LLM:
 _ENGINES: dict = {}
 
 
-def _cached_engine(path, backend: str) -> LLM:
-    key = (str(path), backend)
+def _cached_engine(path, backend: str, overrides: dict | None = None) -> LLM:
+    key = (str(path), backend, str(overrides))
     if key not in _ENGINES:
-        _ENGINES[key] = _fresh_slots(_engine(path, backend))
+        _ENGINES[key] = _fresh_slots(_engine(path, backend, overrides=overrides))
     return _ENGINES[key]
 
 
@@ -58,11 +70,12 @@ sequences = st.integers(2, 90).flatmap(lambda n: st.tuples(
     st.lists(st.integers(1, n - 1), max_size=4, unique=True).map(sorted)))
 
 
+@GDN_PATHS_REPLAY_SLOW
 @settings(max_examples=budget(0.1), deadline=None)
 @given(case=sequences)
-def test_hybrid_positions_are_exact_on_the_torch_backend(checkpoint_dir, case):
+def test_hybrid_positions_are_exact_on_the_torch_backend(checkpoint_dir, gdn, case):
     tokens, cuts = case
-    assert _mismatch(_cached_engine(checkpoint_dir("qwen3.5"), "torch"), tokens, cuts) is None
+    assert _mismatch(_cached_engine(checkpoint_dir("qwen3.5"), "torch", gdn), tokens, cuts) is None
 
 
 @pytest.mark.slow
@@ -73,11 +86,14 @@ def test_hybrid_positions_are_exact_on_the_torch_backend_at_a_realistic_width(wi
     assert _mismatch(_cached_engine(wide_hybrid, "torch"), tokens, cuts) is None
 
 
+@GDN_PATHS
 @pytest.mark.parametrize("variant", ["qwen3.5", "qwen3.5_mm_untied"])
-def test_hybrid_positions_are_exact_in_both_layouts(checkpoint_dir, variant):
+def test_hybrid_positions_are_exact_in_both_layouts(checkpoint_dir, variant, gdn):
     """Cuts off the chunk grid, a sequence crossing position 64, every position decoded too."""
+    llm = _cached_engine(checkpoint_dir(variant), "torch", gdn)
+    assert (llm.cache.replay[0] is not None) == (gdn is not None)
     tokens = [(13 * i + 5) % 256 for i in range(75)]
-    assert _mismatch(_cached_engine(checkpoint_dir(variant), "torch"), tokens, [3, 40, 66]) is None
+    assert _mismatch(llm, tokens, [3, 40, 66]) is None
 
 
 @pytest.mark.slow
@@ -91,9 +107,9 @@ def test_hybrid_positions_are_exact_on_the_triton_backend(checkpoint_dir, case):
 
 
 def test_hybrid_generation_scores_as_it_generated(checkpoint_dir):
-    """Generate (batched, prompts crossing the chunk boundary), then score prompt + output: the
-    generated positions' logprobs and top alternatives are the scores, `==`."""
-    llm = _engine(checkpoint_dir("qwen3.5"), batched=True)
+    """Generate (batched, prompts crossing the chunk boundary, the replay path), then score prompt +
+    output: the generated positions' logprobs and top alternatives are the scores, `==`."""
+    llm = _engine(checkpoint_dir("qwen3.5"), batched=True, overrides=REPLAY)
     prompts = [[(7 * i + j) % 256 for i in range(n)] for j, n in enumerate((60, 5, 70))]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
     generated = llm.generate(prompts, [params] * len(prompts))
@@ -104,10 +120,20 @@ def test_hybrid_generation_scores_as_it_generated(checkpoint_dir):
         assert [top[:3] for top in s.prompt_top_logprobs[n:]] == g.top_logprobs
 
 
+def _nudged_decode(*args):
+    return gated_delta_decode_recurrent(*args) * (1.0 + 2.0**-20)  # tests/planted.py's NUDGE
+
+
+def test_negative_control_a_recurrent_decode_step_one_ulp_away_is_caught(checkpoint_dir):
+    llm = _fresh_slots(_engine(checkpoint_dir("qwen3.5"), "torch", overrides={"gated_delta_decode": _nudged_decode}))
+    mismatch = _mismatch(llm, [(13 * i + 5) % 256 for i in range(20)], [7])
+    assert mismatch is not None and "decoded" in mismatch
+
+
 def test_negative_control_hybrid_without_replay_is_caught(checkpoint_dir):
-    """Exact attention and linear layers but Gated DeltaNet layers without replay buffers: the
-    decode step (recurrent form) and a cut inside a chunk round differently, and the check sees it."""
-    llm = _fresh_slots(_engine(checkpoint_dir("qwen3.5"), "torch"))
+    """The chunked form without replay buffers: the decode step (its recurrent op) and a cut inside
+    a chunk round differently, and the check sees it."""
+    llm = _fresh_slots(_engine(checkpoint_dir("qwen3.5"), "torch", overrides=REPLAY))
     for i, replay in enumerate(llm.cache.replay):
         if replay is not None:
             llm.cache.replay[i] = None

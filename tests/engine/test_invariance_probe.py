@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import pocketllm.llm
 from pocketllm import LLM, EngineArgs
 from pocketllm.kernels import torch_ops
+from pocketllm.kernels.gated_delta_prefill import gated_delta_prefill_recurrent
 from pocketllm.kernels.linear import linear_ref, linear_row_invariant
 from pocketllm.kernels.prefill_linear import prefill_linear_row_invariant
 from pocketllm.kernels.probe import PROBE_PREFILL_ROWS, PROBE_ROWS, ROLL, GatedDeltaProbe, probe_row_invariance
@@ -83,10 +84,12 @@ def test_probe_with_exact_positions_finds_prefill_rows_that_differ_from_decode_r
     assert report.failures and all("prefill rows differ from the same rows decoded" in f for f in report.failures)
 
 
-def test_probe_checks_exact_replay_on_a_hybrid(checkpoint_dir):
-    llm = LLM(EngineArgs(model=str(checkpoint_dir("qwen3.5")), max_seq_len=64,
+@pytest.mark.parametrize("overrides", [None, {"gated_delta_prefill": "ref", "gated_delta_decode": "ref"}],
+                         ids=["recurrent", "replay"])
+def test_probe_cuts_the_gated_delta_rule_on_a_hybrid(checkpoint_dir, overrides):
+    llm = LLM(EngineArgs(model=str(checkpoint_dir("qwen3.5")), max_seq_len=64, op_overrides=overrides,
                          backend_options={"exact_positions": True}))
-    assert "gated_delta_prefill replay" in llm.invariance_report.checks
+    assert "gated_delta_prefill cuts" in llm.invariance_report.checks
     assert llm.invariance_report.ok, llm.invariance_report.summary()
 
 
@@ -107,8 +110,9 @@ def test_probe_finds_a_cut_dependent_gated_delta_rule():
     def probe(op):
         return probe_row_invariance(exact.linear, exact.prefill_linear, exact.rms_norm, exact.silu_and_mul,
                                     exact.sample, weights, torch.randn(300, 48), 48, 300, exact_positions=True,
-                                    gated_delta=GatedDeltaProbe(op, 1, 2, 16, 8))
+                                    gated_delta=GatedDeltaProbe(op, 1, 2, 16, 8, replay=False))
 
+    assert exact.gated_delta_prefill is gated_delta_prefill_recurrent
     assert probe(exact.gated_delta_prefill).ok
     report = probe(_first_row_nudged(exact.gated_delta_prefill))
     assert report.failures == ("gated_delta_prefill: a sequence cut into pieces differs from the same sequence "

@@ -1,4 +1,4 @@
-"""Build and load the C++ CPU kernels (`linear.cpp`, `tile.h`) once per process.
+"""Build and load the C++ CPU kernels (`linear.cpp`, `tile.h`, `gated_delta.cpp`) once per process.
 
 Built with `torch.utils.cpp_extension.load` on first use, into a directory named by a hash of the
 sources, the flags and the torch version (so an edit or a torch upgrade rebuilds, and nothing else
@@ -19,7 +19,7 @@ from types import ModuleType
 import torch
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("linear.cpp", "tile.h")
+SOURCES = ("linear.cpp", "tile.h", "gated_delta.cpp")
 # -ffp-contract=off: the source's FMAs are its intrinsics; the compiler fuses nothing else.
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)
@@ -66,7 +66,8 @@ def _build(directory: Path) -> ModuleType:
     """Compile (or reuse the build in `directory`) and import the extension."""
     from torch.utils.cpp_extension import load
     directory.mkdir(parents=True, exist_ok=True)
-    module = load(name=f"pocketllm_{directory.name}", sources=[str(SOURCE_DIR / "linear.cpp")],
+    module = load(name=f"pocketllm_{directory.name}", sources=[str(SOURCE_DIR / name) for name in SOURCES
+                                                               if name.endswith(".cpp")],
                   extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), build_directory=str(directory),
                   extra_include_paths=[str(SOURCE_DIR)], verbose=False)
     return module
@@ -79,8 +80,8 @@ def _key(root: Path | None) -> tuple[str, str, str]:
 
 
 def load_extension(root: Path | None = None) -> ModuleType | None:
-    """The compiled module (functions `linear`, `best_variant`), or None after one warning naming
-    why it cannot be built. Built at most once per process per build directory and compiler."""
+    """The compiled module (functions `linear`, `best_variant`, `gated_delta_recurrent`), or None
+    after one warning naming why it cannot be built. Built at most once per process per build directory and compiler."""
     key = _key(root)
     if key not in _LOADED:
         reason = _missing_tool()
