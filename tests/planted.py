@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from pocketllm.kernels.decode_attention import decode_attention_fused, decode_attention_triton
+from pocketllm.kernels.gated_delta_prefill import gated_delta_prefill_recurrent
 from pocketllm.kernels.linear import linear_per_row
 from pocketllm.kernels.prefill_attention import prefill_attention_ref
 
@@ -54,3 +55,16 @@ def decode_attention_triton_nudged(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     """`decode_attention_nudged` on the triton backend: its exact decode (the prefill kernel on one
     row), every decoded row nudged."""
     return decode_attention_triton(q, k_cache, v_cache, slot_ids, seq_lens, scale) * NUDGE
+
+
+def gated_delta_prefill_first_row_nudged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                         beta: torch.Tensor, states: torch.Tensor, slot_ids: torch.Tensor,
+                                         start_positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                                         replay: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch backend's Gated DeltaNet prefill with the first row of every piece taking another
+    path: a cut changes a position's bits, and, unlike attention in a model's last layer, the row
+    feeds every later layer. Batch invariant, within tolerance."""
+    out = gated_delta_prefill_recurrent(q, k, v, g, beta, states, slot_ids, start_positions, cu_seqlens, replay)
+    first_rows = cu_seqlens[:-1][cu_seqlens[:-1] < cu_seqlens[1:]].long()
+    out[first_rows] = out[first_rows] * NUDGE
+    return out

@@ -38,9 +38,10 @@ def _torch(implementations: Implementations, batch_invariant: bool, decode_per_r
     fixed row tiles (`linear.py`): 4-row tiles for decode rows, or one row per call with
     `decode_per_row`; prefill rows in 64-row tiles, or, with `exact_positions`, every row through the
     C++ fixed-order kernel (`kernels/cpu`; where it cannot be built, the decode rows' 4-row tiles)
-    and prefill attention one row per call as a decode step computes it, and the gated delta rule
-    token by token in the C++ kernel for prefill and decode alike (where it cannot be built, the
-    chunked reference with replay buffers), so a position gets the same bits decoded or prefilled.
+    and prefill attention one row per call as a decode step computes it, so a position gets the
+    same bits decoded or prefilled. The gated delta rule runs token by token in the C++ kernel for
+    prefill and decode alike, exact along the sequence and faster than the references at real
+    shapes (where it cannot be built: the references, chunked prefill with replay buffers when exact).
     `batch_invariant=False` makes the linear layers one plain GEMM call per batch (a negative
     control for the invariance tests, and a speed baseline)."""
     impls = dict.fromkeys(implementations, "ref")
@@ -50,7 +51,7 @@ def _torch(implementations: Implementations, batch_invariant: bool, decode_per_r
                      prefill_linear="decode_tiles" if exact_positions else "row_invariant")
         if exact_positions and load_extension() is not None:  # else the MKL tiles, after its warning
             impls.update(linear="fixed_order", prefill_linear="fixed_order")
-    if exact_positions and load_extension() is not None:  # else the chunked form with replay buffers
+    if load_extension() is not None:  # else the references (chunked prefill; replay buffers when exact)
         impls.update(gated_delta_prefill="recurrent", gated_delta_decode="recurrent")
     return impls
 

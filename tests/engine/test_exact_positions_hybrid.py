@@ -6,7 +6,7 @@ triton kernel, and the torch reference where no compiler is found) keep exact re
 the last chunk boundary plus the inputs since, every piece and decode step recomputing its chunk).
 The torch checks run both (`REPLAY` overrides the ops to the chunked reference).
 
-Both checkpoint layouts, the torch backend at a tiny and (under `slow`) a realistic width, and the
+Both checkpoint layouts, the torch backend at a tiny and a realistic width, and the
 triton backend (interpreted here, under `slow`) at a tiny one; the sequences cross the 64-position
 chunk boundary on the torch backend. Negative controls: the chunked form without its replay buffers (a decode step
 through the recurrent form, a cut piece continuing its chunk's partial state), and a recurrent
@@ -78,7 +78,6 @@ def test_hybrid_positions_are_exact_on_the_torch_backend(checkpoint_dir, gdn, ca
     assert _mismatch(_cached_engine(checkpoint_dir("qwen3.5"), "torch", gdn), tokens, cuts) is None
 
 
-@pytest.mark.slow
 @settings(max_examples=budget(0.2), deadline=None)
 @given(case=sequences)
 def test_hybrid_positions_are_exact_on_the_torch_backend_at_a_realistic_width(wide_hybrid, case):

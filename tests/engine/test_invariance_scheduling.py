@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import budget, variant_params
 from hypothesis import given, settings
-from planted import prefill_attention_first_row_nudged
+from planted import gated_delta_prefill_first_row_nudged, prefill_attention_first_row_nudged
 
 from pocketllm import SamplingParams
 from pocketllm.lab.engine import Engines, Job, Schedule, mismatches, prefix_workloads, run_batched
@@ -92,11 +92,12 @@ class BudgetCuts(PrefillPolicy):
         return self.max_num_batched_tokens // 3
 
 
-# What makes a cut show in the bits, by construction on every machine: on Qwen3.5 the Gated DeltaNet
-# prefill, whose 64-position chunks sit at absolute positions (a cut off that grid runs other
-# arithmetic); on Qwen3, whose torch ops are otherwise split invariant or torch's choice, a prefill
-# attention whose pieces round their first row differently (tests/planted.py).
-CUT_SENSITIVE = {"tiny": {"op_overrides": {"prefill_attention": prefill_attention_first_row_nudged}}, "qwen3.5": {}}
+# What makes a cut show in the bits, by construction on every machine (the torch ops are otherwise
+# split invariant or torch's choice; Qwen3.5's Gated DeltaNet runs token by token), tests/planted.py:
+# a prefill op whose pieces round their first row differently, attention on Qwen3, the Gated DeltaNet
+# rule on Qwen3.5 (its one attention layer is the last, where a row's output reaches no other row).
+CUT_SENSITIVE = {"tiny": {"op_overrides": {"prefill_attention": prefill_attention_first_row_nudged}},
+                 "qwen3.5": {"op_overrides": {"gated_delta_prefill": gated_delta_prefill_first_row_nudged}}}
 
 
 @pytest.mark.parametrize("variant", sorted(CUT_SENSITIVE))

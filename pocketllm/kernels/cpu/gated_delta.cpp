@@ -7,9 +7,11 @@
 //   q <- q * scale / sqrt(sum_i q_i^2 + 1e-6), k <- k / sqrt(sum_i k_i^2 + 1e-6)  (sums in increasing i)
 //   S_i <- S_i * decay for every key row i; mem_v = sum_i S_iv * k_i            (in increasing i)
 //   d_v = (v_v - mem_v) * beta; S_iv <- S_iv + k_i * d_v; out_v = sum_i S_iv * q_i (in increasing i)
-// Every multiply and add is rounded on its own (no FMA: built with -ffp-contract=off), and columns
-// v are independent, so vectorising across them changes no bit. Work items are (sequence, head)
-// pairs: nothing depends on the batch, the thread count or where a prompt was cut.
+// Every multiply and add is rounded on its own (no FMA: built with -ffp-contract=off, and no
+// reassociation), and columns v are independent, so vectorising across them changes no bit: the
+// AVX-512, AVX2 and baseline clones of `step` (chosen at load time by the CPU) agree bit for bit.
+// Work items are (sequence, head) pairs: nothing depends on the batch, the thread count or where a
+// prompt was cut.
 #include <cmath>
 #include <vector>
 #include <ATen/Parallel.h>
@@ -35,6 +37,7 @@ struct Step {
   float* out;  // [dv]
 };
 
+__attribute__((target_clones("avx512f", "avx2", "default")))
 void step(const Step& s, std::vector<float>& qn, std::vector<float>& kn, std::vector<float>& acc) {
   normalise(s.q, s.dk, 1.0f / std::sqrt(float(s.dk)), qn.data());
   normalise(s.k, s.dk, 1.0f, kn.data());
