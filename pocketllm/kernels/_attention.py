@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from ._triton import tl, triton
 from .checks import check_dtype, check_groups, check_shape
+from .cpu.extension import load_extension
 
 
 def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
@@ -28,6 +29,21 @@ def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, s
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     out = torch.matmul(probs, v.permute(1, 0, 2))  # [Hkv, group * n, D]
     return out.reshape(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
+
+
+def attention_rows_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row_slots: torch.Tensor,
+                       row_positions: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """Both attention ops' `own_order` implementation: each query row over its slot's keys 0 .. its
+    position in pocketllm's C++ kernel (`kernels/cpu/attention.cpp`, its own fixed order), so a row
+    gets the same bits decoded, in a prefill piece of any length or cut, or scored. None where it
+    does not apply (no compiler, not fp32, a non-contiguous cache): the caller then runs its torch
+    path, which the other op's fallback matches row for row."""
+    module = load_extension()
+    if module is None or not all(t.dtype == torch.float32 and t.is_contiguous() for t in (k_cache, v_cache)) \
+            or q.dtype != torch.float32:
+        return None
+    return module.attention_rows(q.contiguous(), k_cache, v_cache, row_slots.long().contiguous(),
+                                 row_positions.long().contiguous(), float(scale))
 
 
 def _prefill_per_sequence(attend_one: Callable[..., torch.Tensor], q: torch.Tensor, k_cache: torch.Tensor,

@@ -38,14 +38,17 @@ def _torch(implementations: Implementations, batch_invariant: bool, decode_per_r
     fixed row tiles (`linear.py`): 4-row tiles for decode rows, or one row per call with
     `decode_per_row`; prefill rows in 64-row tiles, or, with `exact_positions`, every row through the
     C++ fixed-order kernel (`kernels/cpu`; where it cannot be built, the decode rows' 4-row tiles)
-    and prefill attention one row per call as a decode step computes it, so a position gets the
-    same bits decoded or prefilled. The gated delta rule runs token by token in the C++ kernel for
+    and attention, prefill and decode rows alike, through its C++ kernel (where it cannot be built,
+    prefill attention one row per call as a decode step computes it), so a position gets the same
+    bits decoded or prefilled. The gated delta rule runs token by token in the C++ kernel for
     prefill and decode alike, exact along the sequence and faster than the references at real
     shapes (where it cannot be built: the references, chunked prefill with replay buffers when exact).
     `batch_invariant=False` makes the linear layers one plain GEMM call per batch (a negative
     control for the invariance tests, and a speed baseline)."""
     impls = dict.fromkeys(implementations, "ref")
     impls.update(prefill_attention="per_row" if exact_positions else "fused", decode_attention="fused")
+    if exact_positions and load_extension() is not None:  # every row as one C++ function computes it
+        impls.update(prefill_attention="own_order", decode_attention="own_order")
     if batch_invariant:
         impls.update(linear="per_row" if decode_per_row else "row_invariant",
                      prefill_linear="decode_tiles" if exact_positions else "row_invariant")

@@ -24,6 +24,7 @@ from ._attention import (
     _dot_precision,
     _sdpa_one,
     _softmax_start,
+    attention_rows_cpu,
     kv_bytes,
 )
 from ._cases import HEADS, attention_shared, decode_grid, kv_slot, randn
@@ -51,6 +52,15 @@ def decode_attention_fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """decode_attention_ref through torch's fused attention, one call per sequence (one op where
     the reference runs about ten): the torch backend's op."""
     return _decode_per_sequence(_sdpa_one, q, k_cache, v_cache, slot_ids, seq_lens, scale)
+
+
+def decode_attention_own_order(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               slot_ids: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Each row through the C++ kernel `prefill_attention_own_order` runs on every prefill row
+    (`_attention.attention_rows_cpu`): a decoded position gets a prefilled one's bits; `fused`
+    (which `prefill_attention_per_row` matches) where the kernel does not apply."""
+    out = attention_rows_cpu(q, k_cache, v_cache, slot_ids, seq_lens - 1, scale)
+    return decode_attention_fused(q, k_cache, v_cache, slot_ids, seq_lens, scale) if out is None else out
 
 
 # Fixed tile sizes. They never depend on the batch, so a sequence's arithmetic never does either.
@@ -209,7 +219,7 @@ def _cost(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_id
 
 OP = OpSpec("decode_attention", DecodeAttention,
             {"ref": decode_attention_ref, "fused": decode_attention_fused, "triton": decode_attention_triton,
-             "split_kv": decode_attention_split_kv},
+             "split_kv": decode_attention_split_kv, "own_order": decode_attention_own_order},
             order=40, cases=Layout(
                 lambda gen, n, dims, dtype: {"q": randn(gen, n, dims["heads"], dims["head_dim"], dtype=dtype)},
                 kv_slot, attention_shared,

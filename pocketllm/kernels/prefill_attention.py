@@ -21,6 +21,7 @@ from ._attention import (
     _prefill_per_sequence,
     _sdpa_one,
     _softmax_start,
+    attention_rows_cpu,
     kv_bytes,
 )
 from ._cases import HEADS, attention_shared, kv_slot, randn
@@ -63,6 +64,20 @@ def prefill_attention_per_row(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     prefill piece of any length or cut, or scored: the torch backend's op with `exact_positions`.
     One call per row instead of one per sequence (what that costs: the README's measured tables)."""
     return _prefill_per_sequence(_sdpa_rows, q, k_cache, v_cache, slot_ids, start_positions, cu_seqlens, scale)
+
+
+def prefill_attention_own_order(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                slot_ids: torch.Tensor, start_positions: torch.Tensor,
+                                cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Every row through the C++ kernel `decode_attention_own_order` runs (`_attention.attention_rows_cpu`):
+    exact positions on the torch backend at a fraction of `per_row`'s cost; `per_row` where it does not apply."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    seq = torch.repeat_interleave(torch.arange(lengths.shape[0], device=q.device), lengths, output_size=q.shape[0])
+    positions = start_positions[seq] + torch.arange(q.shape[0], device=q.device) - cu_seqlens[:-1][seq]
+    out = attention_rows_cpu(q, k_cache, v_cache, slot_ids[seq], positions, scale)
+    if out is None:
+        return prefill_attention_per_row(q, k_cache, v_cache, slot_ids, start_positions, cu_seqlens, scale)
+    return out
 
 
 def _sdpa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
@@ -208,7 +223,7 @@ def _cost(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_id
 
 OP = OpSpec("prefill_attention", PrefillAttention,
             {"ref": prefill_attention_ref, "fused": prefill_attention_fused, "per_row": prefill_attention_per_row,
-             "triton": prefill_attention_triton},
+             "own_order": prefill_attention_own_order, "triton": prefill_attention_triton},
             order=30, cases=Layout(
                 lambda gen, n, dims, dtype: {"q": randn(gen, n, dims["heads"], dims["head_dim"], dtype=dtype)},
                 kv_slot, attention_shared,
