@@ -287,7 +287,7 @@ class LLM:
              sampling_params: ParamsArg = None) -> GenerationResult | list[GenerationResult]:
         """Generate the assistant's reply to one conversation (a list of {"role", "content"}
         messages) or to each of a list of conversations; the result's `text` is the reply."""
-        single = bool(messages) and isinstance(messages[0], Mapping)
+        single = not messages or isinstance(messages[0], Mapping)  # [] is refused as one conversation
         conversations = [messages] if single else list(messages)
         prompts = [self.chat_prompt(conversation) for conversation in conversations]  # type: ignore[arg-type]
         results = self.generate(prompts, sampling_params)

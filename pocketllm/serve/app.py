@@ -6,7 +6,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,11 +23,23 @@ from .errors import APIError, bad_request, install_handlers
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, message_dicts
 from .state import ServerState
 
+logger = logging.getLogger(__name__)
 
-def build_app(engine: AsyncLLM, model_name: str | None = None) -> FastAPI:
-    """The app serving `engine` as `model_name` (default: the model directory as given, as vLLM names it)."""
+
+def build_app(engine: AsyncLLM, model_name: str | None = None, owns_engine: bool = False) -> FastAPI:
+    """The app serving `engine` as `model_name` (default: the model directory as given, as vLLM
+    names it). `owns_engine`: the app's shutdown closes the engine (unfinished requests end
+    "cancelled", slots freed) before the server process ends; otherwise the caller closes it."""
     state = ServerState(engine, model_name or engine.llm.args.model)
-    app = FastAPI(title="pocketllm", version="0.1.0")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if owns_engine:
+            await asyncio.to_thread(engine.close)
+            logger.info("pocketllm: engine stopped, %d slots free", engine.llm.slots.num_free)
+
+    app = FastAPI(title="pocketllm", version="0.1.0", lifespan=lifespan)
     app.state.pocketllm = state
     install_handlers(app)
 

@@ -1,14 +1,15 @@
 """`pocketllm serve --model DIR`: the OpenAI-compatible server on uvicorn.
 
 SIGINT/SIGTERM shut it down gracefully: uvicorn stops accepting, in-flight requests get
-`--graceful-timeout` seconds to finish, then are cancelled; the engine is closed last, so every
-request ends in its terminal state and every slot is freed.
+`--graceful-timeout` seconds to finish, then are cancelled; the app's shutdown closes the engine
+last, so every request ends in its terminal state and every slot is freed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from typing import Any
 
@@ -66,13 +67,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ImportError(f"pocketllm serve needs the serve extra: pip install -e '.[serve]' ({exc})") from exc
     from ..async_llm import AsyncLLM
 
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")  # uvicorn's look
     engine = AsyncLLM(engine_args(args))
     try:
-        app = build_app(engine, args.served_model_name)
+        app = build_app(engine, args.served_model_name, owns_engine=True)  # closed at the app's shutdown
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                 timeout_graceful_shutdown=int(args.graceful_timeout))
         print(f"pocketllm serve: {args.model} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-        uvicorn.Server(config).run()  # returns after SIGINT/SIGTERM and the graceful shutdown
+        # After the graceful shutdown uvicorn re-raises the signal: SIGINT ends the command with
+        # status 130 (KeyboardInterrupt), SIGTERM with the signal's default.
+        uvicorn.Server(config).run()
     finally:
-        engine.close()
+        engine.close()  # at once if the app's shutdown closed it
     return 0

@@ -25,6 +25,7 @@ from .protocol import UnsupportedParameter
 logger = logging.getLogger(__name__)
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error", 500: "internal_error",
                503: "service_unavailable"}
+UNION_TAG = re.compile(r"(str|int|float|bool|none|list\[.*|dict\[.*|function-.*)$")
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
 
@@ -59,7 +60,8 @@ def bad_request(param: str, renames: dict[str, str] | None = None) -> Iterator[N
         match = re.match(r"[A-Za-z_]+", str(exc))
         first = match.group(0) if match else ""
         named = (renames or {}).get(first) or (first if first in SAMPLING_FIELDS else param)
-        raise APIError(400, str(exc), named) from exc
+        message = str(exc) if re.match(rf"{named}\b", str(exc)) else f"{named}: {exc}"
+        raise APIError(400, message, named) from exc
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -68,7 +70,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    loc = []
+    for part in first.get("loc", ())[1:]:  # after "body"
+        if UNION_TAG.match(str(part)):  # pydantic names the union member it tried: the field ends before
+            break
+        loc.append(str(part))
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {first.get('msg')}", None
     if first.get("type") == "extra_forbidden" and loc:
