@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -46,12 +47,27 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
                       max_seq_len=args.max_seq_len, backend_options=options)
 
 
+def _set_threads(threads: int | None) -> None:
+    """The engine's torch threads; by default one core is left to the event loop, whose per-token
+    work otherwise waits behind OpenMP threads spinning between the engine's parallel regions."""
+    import torch
+
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) - 1)
+    if threads < 1:
+        raise ValueError(f"--threads must be an int >= 1, got {threads}")
+    torch.set_num_threads(threads)
+
+
 def add_parser(sub: Any) -> None:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pip install -e '.[serve]')")
     serve.add_argument("--model", required=True, help="Hugging Face model directory (config.json + safetensors)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: --model)")
+    serve.add_argument("--threads", type=int, default=None,
+                       help="torch CPU threads for the engine (default: all cores but one, which the event loop "
+                            "keeps: with every core in OpenMP, HTTP streaming ran 7x slower on 2 cores)")
     serve.add_argument("--graceful-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are cancelled")
     add_engine_arguments(serve)
@@ -68,6 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..async_llm import AsyncLLM
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")  # uvicorn's look
+    _set_threads(args.threads)
     engine = AsyncLLM(engine_args(args))
     try:
         app = build_app(engine, args.served_model_name, owns_engine=True)  # closed at the app's shutdown
