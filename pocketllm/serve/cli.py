@@ -67,7 +67,7 @@ def add_parser(sub: Any) -> None:
     serve.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: --model)")
     serve.add_argument("--threads", type=int, default=None,
                        help="torch CPU threads for the engine (default: all cores but one, which the event loop "
-                            "keeps: with every core in OpenMP, HTTP streaming ran 7x slower on 2 cores)")
+                            "keeps: with every core in OpenMP, HTTP streaming ran 6-8x slower on 2 cores)")
     serve.add_argument("--graceful-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are cancelled")
     add_engine_arguments(serve)
