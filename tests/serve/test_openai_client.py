@@ -129,3 +129,14 @@ def test_models_health_tokenize_metrics(client, base_url, serial):
     assert "pocketllm_generated_tokens " in text and "pocketllm_free_slots " in text
     stats = httpx.get(f"{base_url}/metrics", params={"format": "json"}).json()
     assert stats["finished"] >= 1
+
+
+def test_echo_scores_survive_a_stop_string(client, serial):
+    """A stop string cancels the engine's request; its prompt logprobs still come back."""
+    prompt = [72, 101, 108, 108, 111]
+    want = serial.generate(prompt, SamplingParams(max_tokens=12, temperature=0, prompt_logprobs=1))
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=1,
+                                         echo=True, stop=[want.text[:2]], extra_body=AS_IDS)
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop" and choice.text == serial.tokenizer.decode(prompt)
+    assert choice.logprobs.token_logprobs[:len(prompt)] == want.prompt_logprobs
