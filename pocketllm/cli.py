@@ -1,4 +1,4 @@
-"""`pocketllm` command line: demo, generate, make-checkpoint, bench, lab."""
+"""`pocketllm` command line: demo, generate, make-checkpoint, bench, lab, serve."""
 
 from __future__ import annotations
 
@@ -198,8 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of the benchmark")
 
     from .lab.cli import add_parser as add_lab_parser
+    from .serve.cli import add_parser as add_serve_parser
 
     add_lab_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

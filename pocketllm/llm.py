@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 import torch
 
 from .cache import RecurrentCacheSpec, SlotCache, cache_bytes, require_memory
+from .chat import Message, load_chat_template, render_chat
 from .config import EngineArgs, ModelConfig
 from .kernels import Ops, get_ops
 from .kernels.backends import get_backend
@@ -78,6 +79,7 @@ class LLM:
         engine_thread = engine.enable_batching and engine.background_thread
         batch_invariant = _on_own_thread(self._build) if engine_thread else self._build()
         self.tokenizer: Tokenizer | None = load_tokenizer(args.model)
+        self.chat_template: str | None = load_chat_template(args.model)
         self._ids = itertools.count()
         exact_positions = self._exact_positions(batch_invariant)
         check_preemption_mode(engine.preemption_mode, exact_positions)  # serial mode too: one configuration
@@ -287,6 +289,22 @@ class LLM:
             return self._encode([prompt])[0]
         assert prompt_tokens is not None
         return prompt_tokens
+
+    def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of `messages` rendered by the checkpoint's chat template (see pocketllm.chat):
+        the one path `chat()` and the server's chat endpoint share."""
+        text = render_chat(self.chat_template, messages, add_generation_prompt)
+        return self._encode([text])[0]
+
+    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+             sampling_params: ParamsArg = None) -> GenerationResult | list[GenerationResult]:
+        """Generate the assistant's reply to one conversation (a list of {"role", "content"}
+        messages) or to each of a list of conversations; the result's `text` is the reply."""
+        single = not messages or isinstance(messages[0], Mapping)  # [] is refused as one conversation
+        conversations = [messages] if single else list(messages)
+        prompts = [self.chat_prompt(conversation) for conversation in conversations]  # type: ignore[arg-type]
+        results = self.generate(prompts, sampling_params)
+        return results[0] if single else results
 
     def _encode(self, prompts: Sequence[str]) -> list[list[int]]:
         """Check text prompts, then encode them; loading the tokenizer here raises the reason

@@ -30,6 +30,10 @@ EOS_TOKEN = "<|endoftext|>"
 NUM_BYTES = 256
 # Bytes no UTF-8 text contains: an EOS id among them can be a special token without taking a byte from text.
 NON_UTF8_BYTES = frozenset([0xC0, 0xC1, *range(0xF5, NUM_BYTES)])
+# Qwen's ChatML turns, so the presets' checkpoints can be chatted with (`LLM.chat`, the server).
+CHATML_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+                   "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                   "{% endif %}")
 
 
 @overload
@@ -103,7 +107,7 @@ def byte_level_tokenizer_files(vocab_size: int, eos_token_ids: Sequence[int],
                   "vocab": vocab, "merges": []},
     }
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-                              "model_max_length": model_max_length}
+                              "model_max_length": model_max_length, "chat_template": CHATML_TEMPLATE}
     if EOS_TOKEN in vocab:
         config["eos_token"] = EOS_TOKEN
     return {TOKENIZER_FILE: tokenizer, TOKENIZER_CONFIG_FILE: config}

@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the scheduling benchmark instead: prefix reuse and chunked prefill, each on and off, "
                              "at Qwen3-0.6B and Qwen3.5-0.8B shapes (see pocketllm.bench.scheduling; tiny presets "
                              "with --quick)")
+    parser.add_argument("--serving", action="store_true",
+                        help="the serving benchmark instead: concurrent clients against `pocketllm serve` on "
+                             "loopback vs the in-process AsyncLLM (see pocketllm.bench.serving; tiny preset)")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent clients (and slots) of --serving")
     parser.add_argument("--device", default="cpu", help="device of the --scheduling runs")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
     return parser
@@ -82,6 +86,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     if not 0 <= args.seed <= MAX_SEED:
         raise ValueError(f"--seed must be an int in [0, 2**64 - 1], got {args.seed}")
     check_device(args.device, "--device")
+    if not 1 <= args.clients <= 1024:
+        raise ValueError(f"--clients must be an int in [1, 1024], got {args.clients}")
     try:
         args.out.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=args.out).close()
@@ -106,6 +112,11 @@ def _run(args: argparse.Namespace) -> int:
         from .scheduling import run as run_scheduling
 
         print(run_scheduling(args.out, args.quick, args.seed, args.device, "plots" not in skipped))
+        return 0
+    if args.serving:
+        from .serving import run as run_serving
+
+        print(run_serving(args.out, args.quick, args.seed, args.preset, args.clients))
         return 0
     if args.real_shapes:
         from .real_shapes import run

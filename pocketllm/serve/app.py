@@ -1,0 +1,103 @@
+"""The FastAPI app over one AsyncLLM: OpenAI's endpoints and vLLM's extra ones.
+
+    engine = AsyncLLM(EngineArgs(model=path))
+    app = build_app(engine)            # serve with uvicorn; the caller closes the engine after
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from ..async_llm import AsyncLLM
+from .chat import create_chat_completion
+from .completions import create_completion
+from .errors import APIError, bad_request, install_handlers
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, message_dicts
+from .state import ServerState
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(engine: AsyncLLM, model_name: str | None = None, owns_engine: bool = False) -> FastAPI:
+    """The app serving `engine` as `model_name` (default: the model directory as given, as vLLM
+    names it). `owns_engine`: the app's shutdown closes the engine (unfinished requests end
+    "cancelled", slots freed) before the server process ends; otherwise the caller closes it."""
+    state = ServerState(engine, model_name or engine.llm.args.model)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if owns_engine:
+            await asyncio.to_thread(engine.close)
+            logger.info("pocketllm: engine stopped, %d slots free", engine.llm.slots.num_free)
+
+    app = FastAPI(title="pocketllm", version="0.1.0", lifespan=lifespan)
+    app.state.pocketllm = state
+    install_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "pocketllm",
+                "root": engine.llm.args.model, "parent": None, "max_model_len": state.max_seq_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        return await create_completion(state, req, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(state, req, request)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        return _tokenize(state, req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        state.check_model(req.model)
+        vocab = engine.llm.model_config.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens: {bad} is outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": state.decode(req.tokens)}
+
+    @app.get("/metrics")
+    async def metrics(format: str = "prometheus") -> Response:
+        stats = engine.scheduler.get_stats()
+        values = {**dataclasses.asdict(stats), "tokens_per_s": stats.tokens_per_s,
+                  "free_slots": engine.llm.slots.num_free}
+        if format == "json":
+            return JSONResponse(values)
+        lines = [f"pocketllm_{name} {float(value)!r}" for name, value in values.items()]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
+    """vLLM's /tokenize: a prompt, or messages through the chat template; one of them."""
+    state.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "pass one of prompt or messages", "prompt")
+    llm = state.engine.llm
+    if req.messages is not None:
+        with bad_request("messages"):
+            tokens = llm.chat_prompt(message_dicts(req.messages), req.add_generation_prompt)
+    elif llm.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer.json: text cannot be tokenized", "prompt")
+    else:
+        tokens = llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens).ids
+    return {"count": len(tokens), "max_model_len": state.max_seq_len, "tokens": tokens, "token_strs": None}

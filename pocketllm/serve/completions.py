@@ -1,0 +1,142 @@
+"""POST /v1/completions: prompts as text or token ids, logprobs, echo (prompt scoring), streaming.
+
+Echo with logprobs is how evaluation harnesses score text (lm-evaluation-harness sums
+`token_logprobs`), so those numbers are the engine's own bits: the prompt's come from
+SamplingParams.prompt_logprobs, the first prompt token's is null, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from ..outputs import TopLogprobs
+from .errors import APIError, bad_request, sse_error
+from .protocol import CompletionRequest
+from .runs import ChoiceRun, ClientDisconnected, merged, start, until_disconnect
+from .state import ServerState, choice_specs, logprob, new_id, sampling_params, usage
+
+Entry = tuple[int, float | None, TopLogprobs | None]  # token, its logprob, the position's alternatives
+
+
+def _prompts(state: ServerState, prompt: str | list[Any]) -> tuple[list[list[int]], list[str | None]]:
+    """The prompts as token ids, with their text where they came as text."""
+    if isinstance(prompt, str):
+        return [state.encode(prompt)], [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    if isinstance(prompt[0], str):
+        return [state.encode(text) for text in prompt], list(prompt)
+    if isinstance(prompt[0], int):
+        return [list(prompt)], [None]
+    return [list(p) for p in prompt], [None] * len(prompt)
+
+
+class LogprobsWriter:
+    """One choice's `logprobs` object, chunk by chunk: text offsets run on across chunks."""
+
+    def __init__(self, state: ServerState, as_ids: bool) -> None:
+        self.state, self.as_ids, self.offset = state, as_ids, 0
+
+    def write(self, entries: Sequence[Entry], first_is_prompt_start: bool = False) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for i, (token, lp, top) in enumerate(entries):
+            text = self.state.token_str(token, self.as_ids)
+            start_of_prompt = first_is_prompt_start and i == 0
+            out["tokens"].append(text)
+            out["token_logprobs"].append(logprob(lp))
+            out["top_logprobs"].append(None if start_of_prompt else self.state.top_dict(top, token, lp, self.as_ids))
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+
+def _prompt_entries(run: ChoiceRun) -> list[Entry]:
+    result = run.result
+    assert result is not None and result.prompt_logprobs is not None  # echo asked for them
+    tops = result.prompt_top_logprobs or [None] * len(result.prompt_logprobs)
+    return list(zip(run.spec.prompt, result.prompt_logprobs, tops))
+
+
+def _delta_entries(run: ChoiceRun) -> list[Entry]:
+    return [(d.token_id, d.logprob, d.top_logprobs) for d in run.deltas]
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, request: Request) -> Response:
+    """The completion response, or its server-sent events with `stream`."""
+    state.check_model(req.model)
+    req.check_refused()
+    with bad_request("stop"):
+        stops = req.stop_strings()
+    if req.stream and req.echo and req.logprobs is not None:
+        raise APIError(400, "echo with logprobs is not supported with stream=true (the prompt's logprobs come with "
+                            "the result); use stream=false", "echo")
+    prompts, texts = _prompts(state, req.prompt)
+    scoring = req.echo and req.logprobs is not None
+    params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs,
+                             req.logprobs if scoring else None, {"prompt_logprobs": "logprobs"})
+    specs = choice_specs(prompts, req, [params] * len(prompts), stops)
+    echoes = [text if text is not None else state.decode(p) for p, text in zip(prompts, texts)] if req.echo else None
+    try:
+        with bad_request("prompt"):
+            runs = await until_disconnect(request, start(state.engine, specs))
+        if req.stream:
+            events = _events(state, req, runs, prompts, echoes)
+            return StreamingResponse(events, media_type="text/event-stream")
+        return await until_disconnect(request, _complete(state, req, runs, prompts, echoes))
+    except ClientDisconnected:
+        return Response(status_code=499)
+
+
+async def _complete(state: ServerState, req: CompletionRequest, runs: list[ChoiceRun], prompts: list[list[int]],
+                    echoes: list[str] | None) -> Response:
+    texts = {run.spec.index: "" for run in runs}
+    async for piece in merged(runs):
+        texts[piece.index] += piece.text
+    choices = []
+    for run in runs:
+        spec = run.spec
+        echo = echoes[spec.prompt_index] if echoes is not None else ""
+        lp = None
+        if req.logprobs is not None:
+            writer = LogprobsWriter(state, req.return_tokens_as_token_ids)
+            entries = (_prompt_entries(run) if req.echo else []) + _delta_entries(run)
+            lp = writer.write(entries, first_is_prompt_start=req.echo)
+        choices.append({"index": spec.index, "text": echo + texts[spec.index], "logprobs": lp,
+                        "finish_reason": run.finish})
+    body = {"id": new_id("cmpl"), "object": "text_completion", "created": state.created, "model": state.model_name,
+            "choices": choices, "usage": usage(prompts, sum(len(r.deltas) for r in runs))}
+    return Response(json.dumps(body), media_type="application/json")
+
+
+async def _events(state: ServerState, req: CompletionRequest, runs: list[ChoiceRun], prompts: list[list[int]],
+                  echoes: list[str] | None) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per piece, the usage chunk if asked for, then [DONE]."""
+    cid = new_id("cmpl")
+    writers = {run.spec.index: LogprobsWriter(state, req.return_tokens_as_token_ids) for run in runs}
+
+    def chunk(index: int, text: str, lp: Any, finish: str | None) -> str:
+        body = {"id": cid, "object": "text_completion", "created": state.created, "model": state.model_name,
+                "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish}]}
+        return f"data: {json.dumps(body)}\n\n"
+
+    if echoes is not None:
+        for run in runs:
+            yield chunk(run.spec.index, echoes[run.spec.prompt_index], None, None)
+    try:
+        async for piece in merged(runs):
+            lp = None
+            if req.logprobs is not None:
+                lp = writers[piece.index].write([(d.token_id, d.logprob, d.top_logprobs) for d in piece.deltas])
+            yield chunk(piece.index, piece.text, lp, piece.finish)
+    except RuntimeError as exc:  # the engine failed on a request: the status line has gone out
+        yield sse_error(500, str(exc))
+    if req.stream_options is not None and req.stream_options.include_usage:
+        body = {"id": cid, "object": "text_completion", "created": state.created, "model": state.model_name,
+                "choices": [], "usage": usage(prompts, sum(len(r.deltas) for r in runs))}
+        yield f"data: {json.dumps(body)}\n\n"
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,135 @@
+"""Request bodies of the OpenAI-compatible endpoints, as pydantic models.
+
+Types are checked strictly (a "5" is not an int) and unknown fields are refused: a parameter the
+engine does not implement must never be dropped silently. Parameters OpenAI or vLLM define that
+pocketllm does not implement are accepted only at their neutral value (REFUSED); ranges are left
+to SamplingParams, whose errors name the field too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# field -> the value that means "off": anything else is refused with a 400 naming the field.
+REFUSED: dict[str, Any] = {
+    "best_of": None, "logit_bias": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0, "suffix": None, "use_beam_search": False,
+    "length_penalty": 1.0, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
+    "response_format": None, "parallel_tool_calls": None,
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None}
+
+
+class UnsupportedParameter(ValueError):
+    """A known OpenAI/vLLM parameter at a value pocketllm does not implement."""
+
+    def __init__(self, name: str, value: Any) -> None:
+        super().__init__(f"{name} is not supported by pocketllm (got {value!r}); see the README's list of "
+                         f"refused parameters")
+        self.param = name
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+class SamplingFields(StrictModel):
+    """What completions and chat share: the sampling parameters and the refused ones."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # vLLM's extra field; -1 also means "off" there
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's extra field
+    ignore_eos: bool = False  # vLLM's extra field
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # metadata only
+    return_tokens_as_token_ids: bool = False  # vLLM's extra field: tokens as "token_id:N"
+    # Refused unless at their neutral value (REFUSED).
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def check_refused(self) -> None:
+        """UnsupportedParameter for the first refused parameter set away from its neutral value."""
+        for name, neutral in REFUSED.items():
+            value = getattr(self, name, neutral)
+            if name == "best_of" and value == self.n:  # best_of == n is plain sampling
+                continue
+            if value != neutral:
+                raise UnsupportedParameter(name, value)
+
+    def stop_strings(self) -> list[str]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stop):
+            raise ValueError("stop must not contain an empty string")
+        return stop
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id...: checked by pocketllm.chat
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True  # vLLM's extra field
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: Any = None
+    parallel_tool_calls: bool | None = None
+
+
+class TokenizeRequest(StrictModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the plain dicts pocketllm.chat checks and renders."""
+    return [m.model_dump(exclude_none=True) for m in messages]
+

@@ -1,0 +1,189 @@
+"""Running one HTTP request's choices on the AsyncLLM: submission, stop strings, merging, disconnects.
+
+Every choice is submitted before the response starts, so a full queue is a 429 and never a
+broken stream. Stop strings are the server's (the engine stops on token ids): text is held back
+while it could still become a stop string, and a choice that hits one is cancelled in the engine,
+then read to its result, so every request reaches its one terminal state in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from fastapi import Request
+
+from ..async_llm import AsyncLLM, StreamItem
+from ..outputs import GenerationResult
+from ..sampling import SamplingParams
+from ..scheduler.stream import TokenDelta
+
+T = TypeVar("T")
+FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}  # vLLM says "abort"
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was complete."""
+
+
+@dataclass(frozen=True)
+class ChoiceSpec:
+    """One choice to generate: its place in the response, its prompt and parameters."""
+
+    index: int
+    prompt_index: int
+    prompt: list[int]
+    params: SamplingParams
+    stops: tuple[str, ...] = ()
+
+
+@dataclass
+class Piece:
+    """What one step of a choice adds: its tokens and the text released with them; `finish` once it ended."""
+
+    index: int
+    deltas: list[TokenDelta]
+    text: str
+    finish: str | None = None
+
+
+class StopText:
+    """Releases text as it grows, holding back a tail that could still start a stop string."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops, self.text, self.sent = tuple(stops), "", 0
+        self._hold = max((len(s) for s in stops), default=1) - 1
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """The text now safe to hand out, and whether a stop string ended the choice."""
+        start = max(0, self.sent - self._hold)
+        self.text += piece
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            return self._release(len(self.text)), True
+        return self._release(max(self.sent, len(self.text) - self._hold)), False
+
+    def flush(self) -> str:
+        return self._release(len(self.text))
+
+    def _release(self, upto: int) -> str:
+        out, self.sent = self.text[self.sent:upto], upto
+        return out
+
+
+@dataclass
+class ChoiceRun:
+    """A submitted choice: its first item (so submission is over) and the rest of its stream."""
+
+    spec: ChoiceSpec
+    first: StreamItem
+    rest: AsyncIterator[StreamItem]
+    engine: AsyncLLM
+    deltas: list[TokenDelta] = field(default_factory=list)
+    result: GenerationResult | None = None
+    finish: str | None = None
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """The choice's pieces, the last one with its finish reason; its result kept in `result`."""
+        checker = StopText(self.spec.stops)
+        item: StreamItem = self.first
+        while self.finish is None:
+            if isinstance(item, GenerationResult):
+                self.result, self.finish = item, self._reason(item)
+                yield Piece(self.spec.index, [], checker.flush(), self.finish)
+                return
+            text, stopped = checker.feed(item.text or "")
+            self.deltas.append(item)
+            if stopped:
+                self.finish = "stop"
+                yield Piece(self.spec.index, [item], text, "stop")
+                self.result = await self._cancelled(item.request_id)
+                return
+            yield Piece(self.spec.index, [item], text)
+            item = await anext(self.rest)
+
+    async def _cancelled(self, request_id: int) -> GenerationResult:
+        """Cancel the engine's request (a stop string ended it) and read on to its result."""
+        self.engine.scheduler.cancel_request(request_id)
+        async for item in self.rest:
+            if isinstance(item, GenerationResult):
+                return item
+        raise AssertionError("a stream always ends with its result")
+
+    @staticmethod
+    def _reason(result: GenerationResult) -> str:
+        if result.finish_reason == "error":
+            raise RuntimeError(f"the engine failed on this request: {result.error}")
+        return FINISH_REASONS[result.finish_reason or "cancelled"]
+
+
+async def start(engine: AsyncLLM, specs: Sequence[ChoiceSpec]) -> list[ChoiceRun]:
+    """Submit every choice and wait for its first item; if one cannot be submitted (QueueFullError),
+    the others are cancelled and the error raised."""
+    streams = [aiter(engine.stream(spec.prompt, spec.params)) for spec in specs]
+    firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+    failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+    if failed is not None:
+        await asyncio.gather(*(aclose(s) for s in streams), return_exceptions=True)
+        raise failed
+    return [ChoiceRun(spec, first, rest, engine)  # type: ignore[arg-type]  # no exception left among firsts
+            for spec, first, rest in zip(specs, firsts, streams)]
+
+
+async def aclose(items: AsyncIterator[StreamItem]) -> None:
+    """Close a stream's iteration; the engine cancels its unfinished request."""
+    close = getattr(items, "aclose", None)
+    if close is not None:
+        await close()
+
+
+async def merged(runs: Sequence[ChoiceRun]) -> AsyncIterator[Piece]:
+    """The pieces of every run as they come; leaving early cancels the runs still going."""
+    queue: asyncio.Queue[Piece | BaseException | None] = asyncio.Queue()
+
+    async def pump(run: ChoiceRun) -> None:
+        try:
+            async for piece in run.pieces():
+                queue.put_nowait(piece)
+            queue.put_nowait(None)
+        except Exception as exc:  # handed to the consumer, which raises it
+            queue.put_nowait(exc)
+
+    tasks = [asyncio.ensure_future(pump(run)) for run in runs]
+    try:
+        for _ in runs:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(aclose(run.rest) for run in runs), return_exceptions=True)
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s value; ClientDisconnected (with `work` cancelled) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():  # the client left, or this handler was cancelled (shutdown)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise ClientDisconnected
+    return task.result()

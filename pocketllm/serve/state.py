@@ -1,0 +1,97 @@
+"""What every endpoint needs from the engine: the served model's name, token strings, limits."""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from ..async_llm import AsyncLLM
+from ..outputs import TopLogprobs
+from ..sampling import SamplingParams
+from .errors import APIError, bad_request
+from .protocol import SamplingFields
+from .runs import ChoiceSpec
+
+# JSON has no -inf; like vLLM, a logprob of -inf is reported as this.
+MIN_LOGPROB = -9999.0
+MAX_SEED = 2**64
+
+
+def logprob(value: float | None) -> float | None:
+    return None if value is None else (MIN_LOGPROB if value == -math.inf else value)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass
+class ServerState:
+    """The engine behind the app and how the app names and shows its tokens."""
+
+    engine: AsyncLLM
+    model_name: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.engine.llm.args.max_seq_len
+
+    def check_model(self, name: str | None) -> None:
+        """404 for a model this server does not serve (None: the served one, as vLLM allows)."""
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`", "model")
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        tokenizer = self.engine.llm.tokenizer
+        if tokenizer is None:
+            return ""
+        return str(tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def encode(self, text: str) -> list[int]:
+        with bad_request("prompt"):
+            return list(self.engine.llm.prepare(None, text))
+
+    def token_str(self, token_id: int, as_ids: bool) -> str:
+        """A token as logprobs show it: its own text, special tokens included (or "token_id:N")."""
+        if as_ids or self.engine.llm.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.decode([token_id], skip_special_tokens=False)
+
+    def top_dict(self, top: TopLogprobs | None, chosen: int, chosen_lp: float | None,
+                 as_ids: bool) -> dict[str, float | None]:
+        """{token: logprob} of a position's alternatives and its chosen token, as completions show them."""
+        out: dict[str, float | None] = {self.token_str(t, as_ids): logprob(lp) for t, lp in top or []}
+        out.setdefault(self.token_str(chosen, as_ids), logprob(chosen_lp))
+        return out
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
+                    renames: dict[str, str]) -> SamplingParams:
+    """The request's SamplingParams; a bad value is a 400 naming the request's field."""
+    top_k = 0 if req.top_k == -1 else req.top_k  # vLLM's "off"
+    with bad_request("sampling", renames):
+        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=top_k,
+                              seed=req.seed, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+
+def choice_specs(prompts: Sequence[list[int]], req: SamplingFields, params: Sequence[SamplingParams],
+                 stops: Sequence[str]) -> list[ChoiceSpec]:
+    """n choices per prompt, indexed prompt-major as OpenAI numbers them; choice i of a seeded
+    request samples with seed + i, so each is reproducible alone and they differ."""
+    specs = []
+    for p, (prompt, base) in enumerate(zip(prompts, params)):
+        for i in range(req.n):
+            seeded = base if base.seed is None or i == 0 else replace(base, seed=(base.seed + i) % MAX_SEED)
+            specs.append(ChoiceSpec(p * req.n + i, p, prompt, seeded, tuple(stops)))
+    return specs
+
+
+def usage(prompts: Sequence[list[int]], completion_tokens: int) -> dict[str, int]:
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

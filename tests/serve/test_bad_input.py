@@ -1,0 +1,112 @@
+"""Bad input is a 400 (404 for an unknown model) with an OpenAI-style body naming the field,
+never a 500, and the server keeps serving; refused parameters are refused, not ignored; a full
+queue is a 429."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from pocketllm import AsyncLLM
+
+from .conftest import MAX_SEQ_LEN, MODEL, engine_args, running_server, wait_idle
+
+GOOD = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2}
+CASES = [
+    ("/v1/completions", {"max_tokens": "5"}, "max_tokens"),
+    ("/v1/completions", {"max_tokens": 2.5}, "max_tokens"),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"temperature": -1}, "temperature"),
+    ("/v1/completions", {"temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"top_p": 0}, "top_p"),
+    ("/v1/completions", {"top_k": -5}, "top_k"),
+    ("/v1/completions", {"seed": -1}, "seed"),
+    ("/v1/completions", {"n": 0}, "n"),
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"echo": True, "logprobs": 50}, "logprobs"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": [[]]}, "prompt"),
+    ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
+    ("/v1/completions", {"prompt": [999999]}, "prompt"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": [1] * MAX_SEQ_LEN}, "prompt"),
+    ("/v1/completions", {"stop": [""]}, "stop"),
+    ("/v1/completions", {"stop_token_ids": [99999]}, "stop_token_ids"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/completions", {"suffix": "x"}, "suffix"),
+    ("/v1/completions", {"stream": True, "echo": True, "logprobs": 1}, "echo"),
+    ("/v1/completions", {"no_such_field": 1}, "no_such_field"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30},
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * MAX_SEQ_LEN}], "max_tokens": 4},
+     "messages"),
+]
+
+
+IDS = [f"{i}-{path[4:]}-{param}" for i, (path, _, param) in enumerate(CASES)]
+
+
+@pytest.mark.parametrize(("path", "change", "param"), CASES, ids=IDS)
+def test_bad_input_is_a_400_naming_the_field(base_url, path, change, param):
+    body = {**GOOD, **change}
+    if path.endswith("chat/completions"):
+        body.pop("prompt")
+    response = httpx.post(f"{base_url}{path}", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["code"] == 400
+    assert param.split(".")[0] in error["message"] or param == "prompt"
+    assert httpx.post(f"{base_url}/v1/completions", json=GOOD, timeout=30).status_code == 200
+
+
+def test_malformed_json_unknown_model_and_bad_tokens(base_url):
+    bad_json = httpx.post(f"{base_url}/v1/completions", content=b'{"prompt": [1,', timeout=30,
+                          headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and "JSON" in bad_json.json()["error"]["message"]
+    unknown = httpx.post(f"{base_url}/v1/completions", json={**GOOD, "model": "gpt-4"}, timeout=30)
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+    detok = httpx.post(f"{base_url}/detokenize", json={"tokens": [1, 10**9]}, timeout=30)
+    assert detok.status_code == 400 and detok.json()["error"]["param"] == "tokens"
+    assert httpx.post(f"{base_url}/v1/completions", json=GOOD, timeout=30).status_code == 200
+
+
+def test_full_queue_is_a_429(serve_checkpoint, monkeypatch):
+    """One slot, one waiting place: with the engine held in its forward, a third request is refused."""
+    engine = AsyncLLM(engine_args(serve_checkpoint, max_batch_size=1, max_waiting=1))
+    gate, run = threading.Event(), engine.llm.runner.run
+    monkeypatch.setattr(engine.llm.runner, "run", lambda seqs: gate.wait(30) and run(seqs))
+    try:
+        with running_server(engine) as url, httpx.Client(base_url=url, timeout=60) as http:
+            codes: list[int] = []
+            posts = [threading.Thread(target=lambda: codes.append(http.post("/v1/completions", json=GOOD).status_code))
+                     for _ in range(2)]
+            for count, post in enumerate(posts, 1):  # one runs (held in its forward), then one waits
+                post.start()
+                while (lambda s: s.running + s.waiting)(engine.scheduler.get_stats()) < count:
+                    time.sleep(0.005)
+            full = http.post("/v1/completions", json=GOOD)
+            assert full.status_code == 429 and full.json()["error"]["type"] == "rate_limit_error"
+            gate.set()
+            for post in posts:
+                post.join()
+            assert codes == [200, 200]
+    finally:
+        gate.set()
+        engine.close()
+    assert engine.llm.slots.num_free == 1
+
+
+def test_engine_stays_idle_after_errors(engine, base_url):
+    wait_idle(engine)
