@@ -1,12 +1,12 @@
 """What exact positions cost on the torch backend, at real model shapes, beside transformers.
 
 pocketllm's default (exact positions off on the torch backend) against `exact_positions=True`
-(every linear row through the fixed-order C++ kernel, prefill attention one row per call), and
-transformers, in one run on the same random-weight checkpoints in the exact shapes of Qwen3-0.6B
-and Qwen3.5-0.8B: batch-1 decode, continuous batching 8 (the seeded `random` workload) and a
-512-token prefill, as `pocketllm bench --real-shapes` measures them (`pocketllm.bench.real_shapes`).
-On Qwen3.5 the option changes the kernels (and so the speed) but positions are not exact there
-(`capabilities.exact_positions` is False): its Gated DeltaNet layers round differently.
+(every linear row through the fixed-order C++ kernel, attention rows through the C++ attention
+kernel), and transformers, in one run on the same random-weight checkpoints in the exact shapes of
+Qwen3-0.6B and Qwen3.5-0.8B: batch-1 decode, continuous batching 8 (the seeded `random` workload)
+and a 512-token prefill, as `pocketllm bench --real-shapes` measures them
+(`pocketllm.bench.real_shapes`). Qwen3.5's Gated DeltaNet layers run the C++ recurrent kernel in
+both configurations (exact along the sequence either way).
 
     python bench/exact_positions_cost.py [--out bench/results] [--quick]
 Writes exact_positions_cost.json and exact_positions_cost.md; prints progress as it goes.
