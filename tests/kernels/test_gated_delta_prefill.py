@@ -146,7 +146,8 @@ _SLOW_ON_CPU = [] if torch.cuda.is_available() else [pytest.mark.slow]
 
 
 @pytest.mark.parametrize("heads,dtype", [pytest.param(h, torch.float32, marks=_SLOW_ON_CPU if i in (1, 2) else [])
-                                         for i, h in enumerate(HEADS)] + [(HEADS[1], torch.float16)])
+                                         for i, h in enumerate(HEADS)]
+                         + [pytest.param(HEADS[1], torch.float16, marks=_SLOW_ON_CPU)])
 def test_prefill_matches_reference(heads, dtype):
     """Outputs and final states equal the reference's within tolerance for sequences of lengths
     1..130 at starts off the chunk grid, nonzero initial states, GQA and odd head dims; slots
@@ -170,7 +171,7 @@ def _check_prefill_batch_invariance(heads, dtype, lengths, starts, device=DEVICE
         lo += length
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.float16, marks=_SLOW_ON_CPU)])
 def test_prefill_batch_invariance(dtype):
     """A sequence's prefill outputs and final state are bitwise the same alone and in a batch."""
     _check_prefill_batch_invariance(HEADS[1], dtype, [17, 65, 40], [3, 64, 100])
@@ -199,7 +200,7 @@ def _check_split_invariance(heads, dtype, start, length, cuts, device=DEVICE, se
     assert torch.equal(states[1], whole_states[1])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.float16, marks=_SLOW_ON_CPU)])
 def test_prefill_split_at_chunk_boundaries(dtype):
     """A prompt cut at absolute positions 64 and 128 gives bitwise the outputs and state of one piece."""
     _check_split_invariance(HEADS[1], dtype, start=10, length=150, cuts=[64, 128])

@@ -79,7 +79,7 @@ def test_cli_exit_status_and_table(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["decode_attention", "--impl", "lab_variants:decode_attention_wrong_signature"], "missing parameter 'scale'"),
     (["decode_attention", "--impl", "lab_variants:nothing_here"], "has no attribute 'nothing_here'"),
-    (["decode_attention", "--impl", "no_such"], "must be one of ('ref', 'fused', 'triton', 'split_kv')"),
+    (["decode_attention", "--impl", "no_such"], "must be one of ('ref', 'fused', 'triton', 'split_kv', 'own_order')"),
     (["decode_attention", "--examples", "-1"], "--examples must be >= 0"),
 ])
 def test_cli_errors_name_the_problem(argv, message, capsys):
@@ -137,6 +137,7 @@ def test_ctrl_c_in_the_implementation_interrupts_with_one_line(capsys):
     assert err.strip().splitlines() == ["pocketllm lab: interrupted"], err
 
 
+@pytest.mark.slow  # a subprocess through the whole lab grid: 10-20 s on 2 cores
 def test_a_nan_implementation_gets_its_verdict_without_a_flood_of_logs():
     """Every engine step of a NaN variant fails: the engine's per-step logs (each with a traceback)
     and start-up warnings stay out of the lab's output, and the verdict names the first error."""
