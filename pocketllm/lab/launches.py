@@ -156,8 +156,14 @@ class Step:
                 g, beta, states)
 
     def replay_buffers(self) -> torch.Tensor:
+        """Replayed k and v as `tensor` makes them; their g (log decays) and beta in range, as the
+        layer writes them."""
         spec = self._recurrent()
-        return self.tensor(SLOTS, CHUNK_SIZE, spec.replay_width, dtype=torch.float32)
+        buffers = self.tensor(SLOTS, CHUNK_SIZE, spec.replay_width, dtype=torch.float32)
+        heads = spec.num_heads
+        buffers[..., -2 * heads:-heads] = self.uniform(-1.0, 0.0, SLOTS, CHUNK_SIZE, heads)
+        buffers[..., -heads:] = self.uniform(0.0, 1.0, SLOTS, CHUNK_SIZE, heads)
+        return buffers
 
 
 def _step(name: str, cfg: ModelConfig, phase: str, shapes: Shapes, device: str, seed: int | None) -> Step:
