@@ -2,7 +2,7 @@
 order) against MKL through `linear_row_invariant` (4- and 64-row tiles, the torch backend's decode
 and prefill products) and plain F.linear (one call, no invariance), median ms per call.
 
-    python bench/cpu_linear.py [--threads 2] [--rows 1 4 8 64 512] [--budget 0.5]
+    python bench/cpu_linear.py [--threads 2] [--rows 1 4 8 64 128 512] [--budget 0.5]
 Each cell: one warm-up call of each, then rounds of one call of each (interleaved, each first in
 turn, so that other load on the machine falls on all of them alike) until `--budget` seconds (3 to 30 rounds), median.
 """
@@ -58,7 +58,7 @@ def median_ms(fns: dict[str, Callable[[], object]], budget: float) -> dict[str, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 64, 512])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 64, 128, 512])
     parser.add_argument("--budget", type=float, default=1.0, help="seconds of calls per cell")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -5,6 +5,10 @@
 - a row's bits: the same alone and in any row count 1..64, at any position, at 1 and 2 threads
   (torch.set_num_threads, which the kernel's at::parallel_for follows), for misaligned and
   non-contiguous inputs, and the same from the AVX2 variant as from the AVX-512 one;
+- many rows (from 16 on the kernel packs x and W and carries each lane over K in blocks): every
+  row is the same as computed alone and as the documented order, for row counts around the row
+  groups (8 rows on AVX-512, 6 on AVX2), K across several blocks with a tail, N across several blocks
+  of columns and not a multiple of the tile, with and without a bias, at 1 and 2 threads;
 - a negative control: the same bitwise check tells a K-split reduction from the kernel's;
 - without a compiler (or with a broken one) the loader warns once, naming why, and returns None,
   and the op raises instead of falling back.
@@ -94,6 +98,18 @@ def test_a_row_is_the_same_in_any_row_count_and_position(variant):
         assert torch.equal(EXT.linear(x.roll(shift, 0), w, b, variant), alone.roll(shift, 0)), shift
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("m, n, k", [(15, 50, 83), (16, 50, 83), (63, 97, 17), (64, 149, 600), (65, 7, 1029),
+                                     (127, 49, 5), (129, 100, 512), (200, 53, 33), (512, 20, 100)])
+def test_many_rows_are_each_row_alone_and_the_documented_order(variant, m, n, k, threads):
+    x, w, b = _data(m, n, k, seed=m + k, bias=m % 2 == 1)
+    got = EXT.linear(x, w, b, variant)  # at `threads` threads, the rows alone at 1
+    torch.set_num_threads(1)
+    alone = torch.cat([EXT.linear(x[i:i + 1], w, b, variant) for i in range(m)])
+    assert torch.equal(got, alone), (m, n, k)
+    assert torch.equal(got, _documented_order(x, w, b)), (m, n, k)
+
+
 def test_the_thread_count_changes_no_bit(threads):
     x, w, b = _data(7, 1000, 200, seed=2)
     torch.set_num_threads(1)
@@ -121,6 +137,8 @@ def test_the_avx2_variant_gives_the_avx512_bits(k):
     x, w, b = _data(11, 45, k, seed=k)  # 8-row and 3-row tiles (AVX-512) against 4-row ones (AVX2)
     assert torch.equal(EXT.linear(x, w, b, "avx2"), EXT.linear(x, w, b, "avx512"))
     assert torch.equal(EXT.linear(x, w, b), EXT.linear(x, w, b, "avx512"))
+    x, w, b = _data(70, 101, k, seed=k)  # many rows: groups of 8 rows x 3 columns against 6 x 1
+    assert torch.equal(EXT.linear(x, w, b, "avx2"), EXT.linear(x, w, b, "avx512"))
 
 
 def test_negative_control_a_k_split_reduction_is_told_apart():

@@ -11,9 +11,14 @@
 // Nothing in it depends on M, the row's position, the thread count or the pointers' alignment
 // (unaligned loads throughout). Threads split output columns only, never K. The AVX-512 variant
 // holds the 16 lanes in one register, the AVX2 variant in two (lanes 0-7, 8-15), with the same
-// FMA sequence and the same tree, so both give the same bits.
+// FMA sequence and the same tree, so both give the same bits. tile.h computes the outputs in one of
+// two loop orders, direct register tiles below PANEL_MIN_ROWS rows and packed, K-blocked tiles from
+// there on; each gives every lane the FMA sequence above and every output the tree above, so which
+// one ran changes no bit (the tests compare every row against the same row alone).
 #include <immintrin.h>
+#include <algorithm>
 #include <atomic>
+#include <thread>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -34,12 +39,49 @@ struct Lanes {
     return _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1u), p);
   }
   static inline V fma(V a, V b, V acc) { return _mm512_fmadd_ps(a, b, acc); }
+  static inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  // Keeps v in a register: GCC would fold its load into each FMA that uses it, one load per FMA.
+  static inline void in_register(V& v) { asm("" : "+v"(v)); }
+  // Many rows: 8 rows x 3 columns (24 accumulators).
+  static constexpr int PANEL_ROWS = 8;
+  static constexpr int PANEL_C = 3;
   static inline float sum(V v) {
     const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v),
                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
     const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+  }
+  // y[i] = sum(lanes of output i) (+ bias[i]) for `count` outputs whose 16 lanes lie one after the
+  // other from acc (readable up to a multiple of 16 outputs): sum()'s tree, lower lanes first, on 16
+  // outputs at a time, each level adding the halves of two registers' outputs (about 3 instructions
+  // per output against sum()'s 8; the first level's halves are put together as they are loaded,
+  // which does not take the shuffle port).
+  static inline __m512 halves(__m512 lo, const float* hi) {  // [lo[0..7], hi[0..7]]
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(lo), _mm256_castps_pd(_mm256_loadu_ps(hi)), 1));
+  }
+  static inline void sums(const float* acc, int64_t count, const float* bias, float* y) {
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    for (int64_t i = 0; i < count; i += 16, acc += 256) {
+      __m512 s8[8], s4[4], s2[2];
+      for (int p = 0; p < 8; ++p) {  // [l[j] + l[j+8] of output 2p, of output 2p+1]
+        const float* a = acc + 32 * p;
+        s8[p] = _mm512_add_ps(halves(_mm512_castps256_ps512(_mm256_loadu_ps(a)), a + 16),
+                              halves(_mm512_castps256_ps512(_mm256_loadu_ps(a + 8)), a + 24));
+      }
+      for (int p = 0; p < 4; ++p)  // 128-bit lane q: s4 of output 4p+q
+        s4[p] = _mm512_add_ps(_mm512_shuffle_f32x4(s8[2 * p], s8[2 * p + 1], 0x88),
+                              _mm512_shuffle_f32x4(s8[2 * p], s8[2 * p + 1], 0xDD));
+      for (int p = 0; p < 2; ++p)  // 128-bit lane q: s2 of outputs 8p+q, 8p+4+q
+        s2[p] = _mm512_add_ps(_mm512_shuffle_ps(s4[2 * p], s4[2 * p + 1], 0x44),
+                              _mm512_shuffle_ps(s4[2 * p], s4[2 * p + 1], 0xEE));
+      // element 4q+t: the sum of output 4t+q, put back in order
+      __m512 s = _mm512_permutexvar_ps(order, _mm512_add_ps(_mm512_shuffle_ps(s2[0], s2[1], 0x88),
+                                                            _mm512_shuffle_ps(s2[0], s2[1], 0xDD)));
+      const __mmask16 keep = count - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (count - i)) - 1u);
+      if (bias != nullptr) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(keep, bias + i));
+      _mm512_mask_storeu_ps(y + i, keep, s);
+    }
   }
 };
 #include "tile.h"
@@ -66,19 +108,59 @@ struct Lanes {
   static inline V fma(V a, V b, V acc) {
     return {_mm256_fmadd_ps(a.lo, b.lo, acc.lo), _mm256_fmadd_ps(a.hi, b.hi, acc.hi)};
   }
+  static inline void store(float* p, V v) {
+    _mm256_storeu_ps(p, v.lo);
+    _mm256_storeu_ps(p + 8, v.hi);
+  }
+  static inline void in_register(V& v) { asm("" : "+v"(v.lo), "+v"(v.hi)); }
+  // Many rows: 6 rows x 1 column (12 accumulators, 2 registers for W; an x feeds one FMA, which
+  // loads it).
+  static constexpr int PANEL_ROWS = 6;
+  static constexpr int PANEL_C = 1;
   static inline float sum(V v) {
     const __m256 s8 = _mm256_add_ps(v.lo, v.hi);
     const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
   }
+  // As the AVX-512 sums: sum()'s tree on 8 outputs at a time.
+  static inline void sums(const float* acc, int64_t count, const float* bias, float* y) {
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t i = 0; i < count; i += 8, acc += 128) {
+      __m256 s8[8], s4[4], s2[2];
+      for (int p = 0; p < 8; ++p) s8[p] = _mm256_add_ps(_mm256_loadu_ps(acc + 16 * p), _mm256_loadu_ps(acc + 16 * p + 8));
+      for (int p = 0; p < 4; ++p)  // 128-bit lane q: s4 of output 2p+q
+        s4[p] = _mm256_add_ps(_mm256_permute2f128_ps(s8[2 * p], s8[2 * p + 1], 0x20),
+                              _mm256_permute2f128_ps(s8[2 * p], s8[2 * p + 1], 0x31));
+      for (int p = 0; p < 2; ++p)  // 128-bit lane q: s2 of outputs 4p+q, 4p+2+q
+        s2[p] = _mm256_add_ps(_mm256_shuffle_ps(s4[2 * p], s4[2 * p + 1], 0x44),
+                              _mm256_shuffle_ps(s4[2 * p], s4[2 * p + 1], 0xEE));
+      // element 4q+t: the sum of output 2t+q, put back in order
+      __m256 s = _mm256_permutevar8x32_ps(_mm256_add_ps(_mm256_shuffle_ps(s2[0], s2[1], 0x88),
+                                                        _mm256_shuffle_ps(s2[0], s2[1], 0xDD)), order);
+      const __m256i keep = _mm256_castps_si256(mask(int(count - i < 8 ? count - i : 8)));
+      if (bias != nullptr) s = _mm256_add_ps(s, _mm256_maskload_ps(bias + i, keep));
+      _mm256_maskstore_ps(y + i, keep, s);
+    }
+  }
 };
 #include "tile.h"
 #pragma GCC pop_options
 }  // namespace avx2
 
-using ColumnsFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, const float*,
-                           float*, int64_t, int64_t, int64_t);
+// One instruction set's kernels (tile.h).
+struct Variant {
+  void (*columns)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, const float*, float*, int64_t,
+                  int64_t, int64_t);
+  void (*pack_rows)(const float*, int64_t, int64_t, int64_t, int, float*);
+  void (*panel_columns)(const float*, int64_t, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t,
+                        int64_t, float*, float*);
+  int panel_rows;
+};
+static constexpr Variant AVX512{avx512::columns, avx512::pack_rows, avx512::panel_columns, avx512::PANEL_ROWS};
+static constexpr Variant AVX2{avx2::columns, avx2::pack_rows, avx2::panel_columns, avx2::PANEL_ROWS};
+static_assert(avx512::PANEL_COLS == avx2::PANEL_COLS && avx512::PANEL_ROWS >= avx2::PANEL_ROWS,
+              "one accumulator buffer fits both");
 
 // "avx512" or "avx2": the best this CPU runs.
 static std::string best_variant() {
@@ -88,22 +170,42 @@ static std::string best_variant() {
   return "";
 }
 
-static ColumnsFn columns_fn(const std::string& variant) {
+static const Variant& variant_of(const std::string& variant) {
   const std::string best = best_variant();
   TORCH_CHECK_VALUE(variant == "" || variant == "avx512" || variant == "avx2",
                     "variant must be '', 'avx512' or 'avx2', got '", variant, "'");
   const std::string chosen = variant.empty() ? best : variant;
   TORCH_CHECK(!chosen.empty(), "this CPU has neither AVX-512F nor AVX2 with FMA");
   TORCH_CHECK(chosen != "avx512" || best == "avx512", "this CPU has no AVX-512F");
-  return chosen == "avx512" ? avx512::columns : avx2::columns;
+  return chosen == "avx512" ? AVX512 : AVX2;
 }
 
-// Columns per work item: a block of W of at most ~256 KiB, which stays in L2 while every row group
-// reads it, a multiple of 24 (of every variant's tile widths), 24 to 96 columns. It decides which
-// thread computes a column and when, not how.
+// Columns per work item of the direct tiles: a block of W of at most ~256 KiB, which stays in L2
+// while every row group reads it, a multiple of 24 (of every variant's tile widths), 24 to 96
+// columns. It decides which thread computes a column and when, not how.
 static int64_t block_columns(int64_t K) {
   const int64_t cols = int64_t(256) * 1024 / (4 * std::max<int64_t>(K, 1)) / 24 * 24;
   return std::min<int64_t>(96, std::max<int64_t>(24, cols));
+}
+
+// From this many rows on, the packed, K-blocked tiles (tile.h, "Many rows"); below, the direct ones,
+// which read W once without a buffer (decode is bound by reading W). Both give every output the same
+// bits: the switch is for speed only.
+static constexpr int64_t PANEL_MIN_ROWS = 16;
+
+// Calls work(i) for the next i in [0, items) until none is left: the threads of a parallel region
+// share `next`, so a thread that the OS holds back leaves its share to the others. Only who computes
+// an item, and when, depends on it.
+template <typename Work>
+static void take_items(std::atomic<int64_t>& next, int64_t items, const Work& work) {
+  for (int64_t i = next++; i < items; i = next++) work(i);
+}
+
+// Columns per work item of the packed tiles: 96 or 48 (multiples of the tile width and of Lanes::sums'
+// 16), W's packed block (columns x K) 384 KiB or, from K = 2048, 48 columns. It decides which thread
+// computes a column and when, not how.
+static int64_t panel_block_columns(int64_t K) {
+  return std::max<int64_t>(48, std::min<int64_t>(avx512::PANEL_COLS, 96 * 1024 / std::max<int64_t>(K, 1) / 48 * 48));
 }
 
 at::Tensor linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias,
@@ -114,7 +216,7 @@ at::Tensor linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bia
   TORCH_CHECK_VALUE(x.dim() == 2 && weight.dim() == 2, "x must be [M, K] and weight [N, K]");
   TORCH_CHECK_VALUE(x.size(1) == weight.size(1), "x has K=", x.size(1), " but weight has K=", weight.size(1));
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const ColumnsFn fn = columns_fn(variant);
+  const Variant& v = variant_of(variant);
   x = x.contiguous();
   weight = weight.contiguous();
   at::Tensor b;
@@ -129,13 +231,37 @@ at::Tensor linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bia
   const float* wp = weight.data_ptr<float>();
   const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  const int64_t block = block_columns(K), blocks = (N + block - 1) / block;
-  // Each thread takes the next block until none is left (a thread that the OS holds back leaves its
-  // share to the others); only who computes a block, and when, depends on it.
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(blocks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next++; i < blocks; i = next++)
-      fn(xp, M, K, wp, K, K, bp, yp, N, i * block, std::min(N, (i + 1) * block));
+  const int64_t threads = at::get_num_threads();
+  if (M < PANEL_MIN_ROWS) {
+    const int64_t block = block_columns(K), blocks = (N + block - 1) / block;
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, std::min(blocks, threads), 1, [&](int64_t, int64_t) {
+      take_items(next, blocks, [&](int64_t i) {
+        v.columns(xp, M, K, wp, K, K, bp, yp, N, i * block, std::min(N, (i + 1) * block));
+      });
+    });
+    return y;
+  }
+  const int64_t group = v.panel_rows, groups = (M + group - 1) / group, steps = (K + 15) / 16;
+  const int64_t block = panel_block_columns(K), blocks = (N + block - 1) / block;
+  const int64_t acc = avx512::PANEL_ROWS * avx512::PANEL_COLS * 16;
+  at::Tensor packed = at::empty({groups * group * steps * 16}, x.options());
+  float* pp = packed.data_ptr<float>();
+  std::atomic<int64_t> next_group{0}, packed_groups{0}, next_block{0};
+  // One parallel region (every region waits for all its threads to start): the threads pack x's
+  // groups, wait until all are packed, then compute blocks of columns.
+  at::parallel_for(0, std::min(blocks, threads), 1, [&](int64_t, int64_t) {
+    take_items(next_group, groups, [&](int64_t g) {
+      v.pack_rows(xp, K, K, g * group, int(std::min(group, M - g * group)), pp + g * group * steps * 16);
+      ++packed_groups;
+    });
+    while (packed_groups.load() < groups) std::this_thread::yield();
+    const at::Tensor scratch = at::empty({acc + block * steps * 16}, at::kFloat);
+    float* sp = scratch.data_ptr<float>();
+    std::fill(sp, sp + acc, 0.0f);  // Lanes::sums reads the lanes past a narrow block's last column too
+    take_items(next_block, blocks, [&](int64_t i) {
+      v.panel_columns(pp, M, K, wp, K, bp, yp, N, i * block, std::min(N, (i + 1) * block), sp, sp + acc);
+    });
   });
   return y;
 }

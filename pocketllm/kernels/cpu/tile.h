@@ -66,3 +66,116 @@ static void columns(const float* x, int64_t M, int64_t ldx, const float* w, int6
     }
   }
 }
+
+// -- Many rows: x and W packed, K in blocks, accumulators carried in a buffer ----------------------
+// A tile above reads its R rows of x and C rows of W over the whole of K for R * C outputs; for many
+// rows those reads, R + C streams K * 4 bytes apart (sharing L1 sets when K * 4 is a multiple of
+// 4 KiB), come from L2 and bound the tile. For many rows the same outputs are computed in another
+// loop order: x is packed by groups of PANEL_ROWS rows (pack_rows), a block of PANEL_COLS columns of
+// W by tiles (pack_columns), each in the order the tiles read it, with the tail step zero-padded as
+// a tile above loads it (so it is one more step like the others). A group's outputs for the block are
+// carried over K in blocks of PANEL_STEPS 16-lane steps: each block's tiles load their accumulators
+// from a buffer (or start at +0 for the first block), continue each lane's FMAs in increasing k and
+// store them back, so every lane gets the FMA sequence a tile above gives it, only interrupted by an
+// exact fp32 store and load. A group's packed rows of one K block stay in L1 across the block's tiles,
+// the packed block of W in L2 across the groups. The lane tree and the bias are Lanes::sums, on the
+// buffer.
+static constexpr int PANEL_ROWS = Lanes::PANEL_ROWS;
+static constexpr int PANEL_C = Lanes::PANEL_C;
+static constexpr int64_t PANEL_COLS = 96;  // a multiple of 16 (Lanes::sums) and of PANEL_C
+static constexpr int64_t PANEL_STEPS = 32;
+
+// The 16-lane steps of K, the zero-padded tail included.
+static inline int64_t steps_of(int64_t K) { return (K + 15) / 16; }
+
+// Step s of `src` (a row of K floats), zero-padded past K.
+static inline typename Lanes::V load_step(const float* src, int64_t K, int64_t s) {
+  return 16 * s + 16 <= K ? Lanes::load(src + 16 * s) : Lanes::load_tail(src + 16 * s, int(K - 16 * s));
+}
+
+// Rows [m0, m0 + rows) of x into xp: step s of row r at xp + (s * rows + r) * 16.
+static void pack_rows(const float* x, int64_t ldx, int64_t K, int64_t m0, int rows, float* xp) {
+  for (int64_t s = 0; s < steps_of(K); ++s)
+    for (int r = 0; r < rows; ++r) Lanes::store(xp + (s * rows + r) * 16, load_step(x + (m0 + r) * ldx, K, s));
+}
+
+// Columns [n0, n1) of W into wp (steps_of(K) * (n1 - n0) * 16 floats): the K block of steps [s0, s0 +
+// steps) from wp + s0 * (n1 - n0) * 16, in it the tile of columns [n, n + cols) from + (n - n0) * steps
+// * 16, in it step s of column c at + (s * cols + c) * 16, so that every tile reads one stream.
+static void pack_columns(const float* w, int64_t ldw, int64_t K, int64_t n0, int64_t n1, float* wp) {
+  const int64_t S = steps_of(K);
+  for (int64_t s0 = 0; s0 < S; s0 += PANEL_STEPS) {
+    const int64_t steps = S - s0 < PANEL_STEPS ? S - s0 : PANEL_STEPS;
+    for (int64_t n = n0; n < n1; n += PANEL_C) {
+      const int cols = int(n1 - n < PANEL_C ? n1 - n : PANEL_C);
+      for (int64_t s = 0; s < steps; ++s)
+        for (int c = 0; c < cols; ++c) Lanes::store(wp + (s * cols + c) * 16, load_step(w + (n + c) * ldw, K, s0 + s));
+      wp += steps * cols * 16;
+    }
+  }
+}
+
+// `steps` (>= 1) steps of R packed rows by C packed columns on acc[r][c] (at acc + (r * PANEL_COLS + c)
+// * 16), from +0 when FIRST.
+template <int R, int C, bool FIRST>
+static void panel_tile(const float* xp, const float* wp, int64_t steps, float* acc) {
+  typename Lanes::V a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = FIRST ? Lanes::zero() : Lanes::load(acc + (r * PANEL_COLS + c) * 16);
+  do {  // (not a for loop: GCC would keep a copy of a[][] on the stack for steps == 0)
+    typename Lanes::V wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = Lanes::load(wp + c * 16);
+    for (int r = 0; r < R; ++r) {
+      typename Lanes::V xv = Lanes::load(xp + r * 16);
+      if constexpr (C > 1) Lanes::in_register(xv);  // one load for C FMAs
+      for (int c = 0; c < C; ++c) a[r][c] = Lanes::fma(xv, wv[c], a[r][c]);
+    }
+    xp += R * 16;
+    wp += C * 16;
+  } while (--steps > 0);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) Lanes::store(acc + (r * PANEL_COLS + c) * 16, a[r][c]);
+}
+
+using PanelFn = void (*)(const float*, const float*, int64_t, float*);
+
+// panel_tile<rows, cols, first>, for 1 <= rows <= R and 1 <= cols <= C.
+template <int R, int C>
+static PanelFn panel_fn(int rows, int cols, bool first) {
+  if (rows == R && cols == C) return first ? panel_tile<R, C, true> : panel_tile<R, C, false>;
+  if constexpr (C > 1) return panel_fn<R, C - 1>(rows, cols, first);
+  if constexpr (R > 1) return panel_fn<R - 1, PANEL_C>(rows, cols, first);
+  return nullptr;
+}
+
+// Output columns [n0, n1) (at most PANEL_COLS) of every row, from x packed by groups of PANEL_ROWS
+// rows (group g at xp + g * PANEL_ROWS * steps_of(K) * 16). Scratch: acc, PANEL_ROWS * PANEL_COLS * 16
+// floats, zeroed (sums reads the lanes past a narrow block's last column too), and wp, PANEL_COLS *
+// steps_of(K) * 16 floats. Which columns a call gets changes who computes a column, never how.
+static void panel_columns(const float* xp, int64_t M, int64_t K, const float* w, int64_t ldw, const float* bias,
+                          float* y, int64_t ldy, int64_t n0, int64_t n1, float* acc, float* wp) {
+  const int64_t S = steps_of(K), width = n1 - n0;
+  const int narrow = int((width - 1) % PANEL_C) + 1;
+  pack_columns(w, ldw, K, n0, n1, wp);
+  for (int64_t m = 0; m < M; m += PANEL_ROWS) {
+    const int rows = int(M - m < PANEL_ROWS ? M - m : PANEL_ROWS);
+    const float* xg = xp + m * S * 16;
+    for (int64_t s0 = 0; s0 < S; s0 += PANEL_STEPS) {
+      const int64_t steps = S - s0 < PANEL_STEPS ? S - s0 : PANEL_STEPS;
+      const PanelFn wide = panel_fn<PANEL_ROWS, PANEL_C>(rows, PANEL_C, s0 == 0);
+      const PanelFn last = panel_fn<PANEL_ROWS, PANEL_C>(rows, narrow, s0 == 0);
+      // The next K block's (or group's) packed rows follow this one's: fetched into L2 a slice per tile,
+      // as the hardware would not across its pages, so that the next pass does not wait on L3.
+      const float* panel = xg + s0 * rows * 16;
+      const char* next = reinterpret_cast<const char*>(panel + steps * rows * 16);
+      const char* end = reinterpret_cast<const char*>(xp + ((M + PANEL_ROWS - 1) / PANEL_ROWS) * PANEL_ROWS * S * 16);
+      const int64_t slice = (steps * rows * 64 / ((width + PANEL_C - 1) / PANEL_C) + 63) / 64 * 64;
+      for (int64_t n = 0; n < width; n += PANEL_C, next += slice) {
+        for (const char* p = next; p < next + slice && p < end; p += 64) _mm_prefetch(p, _MM_HINT_T1);
+        (n + PANEL_C < width ? wide : last)(panel, wp + (s0 * width + n * steps) * 16, steps, acc + n * 16);
+      }
+    }
+    for (int r = 0; r < rows; ++r)
+      Lanes::sums(acc + r * PANEL_COLS * 16, width, bias ? bias + n0 : nullptr, y + (m + r) * ldy + n0);
+  }
+}
