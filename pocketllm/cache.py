@@ -255,6 +255,10 @@ class SlotCache:
         for state, copy in zip(self._slot_states(), swapped.states):
             state[slot].copy_(copy)
 
+    def drop_swap(self, swapped: SwappedSlot) -> None:
+        """Let go of a swapped-out slot that will not be swapped in: the host copy is the object
+        itself here (a tensor-parallel cache also tells its workers, see `parallel/workers.py`)."""
+
     @property
     def prefix_state_nbytes(self) -> int:
         """Bytes held by state copies now (copies shared between slots counted once)."""

@@ -41,6 +41,9 @@ class EngineArgs:
     `op_overrides` runs ops on other implementations than the backend's: op name -> a registered
     implementation name ("ref", "triton", ...), an import path "package.module:function", or a
     callable, each checked against the op's signature here (see `pocketllm.kernels.registry`).
+
+    `tensor_parallel_size` > 1 shards the model over that many processes (this one and workers it
+    starts; on CUDA one GPU each, from `device` on); see `pocketllm.parallel`.
     """
 
     model: str
@@ -50,6 +53,7 @@ class EngineArgs:
     max_seq_len: int = 4096
     backend_options: dict[str, Any] | None = None
     op_overrides: dict[str, ImplSpec] | None = None
+    tensor_parallel_size: int = 1
     options: Options = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -81,6 +85,9 @@ def _check_engine_fields(args: EngineArgs) -> None:
     if isinstance(args.max_seq_len, bool) or not isinstance(args.max_seq_len, int) or args.max_seq_len < 2:
         raise ValueError(f"max_seq_len must be an int >= 2, got {_short(args.max_seq_len)}")
     check_device(args.device)
+    size = args.tensor_parallel_size
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 64:
+        raise ValueError(f"tensor_parallel_size must be an int in [1, 64], got {_short(size)}")
 
 
 def check_device(value: Any, name: str = "device") -> None:

@@ -23,6 +23,9 @@ from .kernels.probe import GatedDeltaProbe, ProbeReport, probe_row_invariance
 from .models import build_model
 from .models.registry import layer_specs
 from .outputs import GenerationResult
+from .parallel.group import TensorParallel
+from .parallel.shard import check_parallel
+from .parallel.workers import ParallelCache, Workers
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import BatchScheduler, PrefillPolicy, Request, check_submission, is_array
@@ -55,6 +58,7 @@ class Capabilities:
     cache_bytes: int  # size of the slot cache
     state_snapshot_bytes_per_slot: int  # most a slot's Gated DeltaNet state copies take (0: none kept)
     exact_positions: bool  # a position's bits are the same decoded, prefilled at any cut, or scored
+    tensor_parallel_size: int = 1
 
 
 class LLM:
@@ -74,6 +78,7 @@ class LLM:
         self.policy = self._prefill_policy()  # its token budget is checked where it is spent: the scheduler
         self._check_memory()
         self.invariance_report: ProbeReport | None = None
+        self.workers: Workers | None = None  # the other tensor-parallel ranks
         # With a scheduler thread, every forward runs there; building here would leave this
         # thread an idle OpenMP team that slows that thread's (see BatchScheduler._drive).
         engine_thread = engine.enable_batching and engine.background_thread
@@ -82,6 +87,8 @@ class LLM:
         self.chat_template: str | None = load_chat_template(args.model)
         self._ids = itertools.count()
         exact_positions = self._exact_positions(batch_invariant)
+        if self.workers is not None:  # stopped after the scheduler (finalizers run newest first)
+            weakref.finalize(self, self.workers.stop)
         check_preemption_mode(engine.preemption_mode, exact_positions)  # serial mode too: one configuration
         self.scheduler: BatchScheduler | None = None
         if engine.enable_batching:
@@ -96,7 +103,8 @@ class LLM:
         self.slots = self.scheduler.slots if self.scheduler is not None else SlotManager(self.cache, self.policy)
         self.capabilities = Capabilities(self.scheduler is not None, args.backend, args.max_batch_size,
                                          args.max_seq_len, batch_invariant, self.cache.nbytes,
-                                         self._snapshot_bytes_per_slot(), exact_positions)
+                                         self._snapshot_bytes_per_slot(), exact_positions,
+                                         args.tensor_parallel_size)
 
     def _detokenizer(self) -> Callable[[list[int]], str] | None:
         """token ids -> text as results show it (special tokens skipped), or None without a tokenizer."""
@@ -104,15 +112,33 @@ class LLM:
         return None if tokenizer is None else lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
     def _build(self) -> bool:
-        """Model, cache and runner, then the invariance check; returns whether outputs are batch invariant."""
+        """Model, cache and runner (with tensor parallelism: rank 0's shard, the workers started and
+        joined), then the invariance check; returns whether outputs are batch invariant."""
         args = self.args
         ops = self._op_table()
-        self.model = build_model(args.model, self.model_config, ops, args.torch_dtype, self.device,
-                                 args.max_seq_len)
-        self.cache = SlotCache(args.max_batch_size, args.max_seq_len, self.model.cache_specs(), args.torch_dtype,
-                               self.device, replay=self._replay_buffers(ops))
-        self.runner = ModelRunner(self.model, self.cache, self.device)
-        return self._check_invariance()
+        replay = self._replay_buffers(ops)
+        size = args.tensor_parallel_size
+        tp = TensorParallel(0, size, tree=args.options.backend.tree_reduction)
+        if size > 1:
+            check_parallel(self.model_config, size, tp.tree, self.device)
+            self.workers = Workers(args, size, replay)
+        try:
+            self.model = build_model(args.model, self.model_config, ops, args.torch_dtype, self.device,
+                                     args.max_seq_len, tp)
+            specs = self.model.cache_specs()
+            if self.workers is None:
+                self.cache = SlotCache(args.max_batch_size, args.max_seq_len, specs, args.torch_dtype, self.device,
+                                       replay=replay)
+            else:
+                self.workers.connect(tp, self.device)
+                self.cache = ParallelCache(args.max_batch_size, args.max_seq_len, specs, args.torch_dtype,
+                                           self.device, replay, self.workers)
+            self.runner = ModelRunner(self.model, self.cache, self.device, self.workers)
+            return self._check_invariance()
+        except BaseException:
+            if self.workers is not None:
+                self.workers.stop()
+            raise
 
     def _state_bytes(self) -> int:
         """Bytes of one slot's Gated DeltaNet states (0 for a model without them)."""
@@ -202,9 +228,12 @@ class LLM:
                        f"({snapshots} bytes, state_snapshot_interval={self.policy.snapshot_interval})")
 
     def close(self) -> None:
-        """Stop the scheduler thread (if any); unfinished requests end as "cancelled"."""
+        """Stop the scheduler thread (if any; unfinished requests end as "cancelled"), then the
+        tensor-parallel workers (if any)."""
         if self.scheduler is not None:
             self.scheduler.stop()
+        if self.workers is not None:
+            self.workers.stop()
 
     def __enter__(self) -> LLM:
         return self

@@ -16,6 +16,7 @@ import torch
 
 from .cache import SlotCache
 from .models import ForwardBatch, Model
+from .parallel.workers import Workers
 from .sampling import SamplingParams
 
 
@@ -65,10 +66,15 @@ def _as_int64(seed: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: Model, cache: SlotCache, device: torch.device | str) -> None:
+    """`workers`: a tensor-parallel engine's other ranks, which run each forward on their shards
+    of the model from the same batch description (see `parallel/workers.py`)."""
+
+    def __init__(self, model: Model, cache: SlotCache, device: torch.device | str,
+                 workers: Workers | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = torch.device(device)
+        self.workers = workers
 
     @torch.inference_mode()
     def run(self, seqs: list[SequenceInput]) -> list[SequenceOutput]:
@@ -87,10 +93,18 @@ class ModelRunner:
     def _forward(self, seqs: list[SequenceInput]) -> list[SequenceOutput]:
         """The outputs of `seqs`, in order: logits of their scored rows and sampling rows, then the
         sampler on the sampling rows and the scoring op on the rest."""
-        batch = ForwardBatch.build([s.slot for s in seqs], [s.start for s in seqs], [s.token_ids for s in seqs],
-                                   [s.decode for s in seqs], self.device, [s.sample for s in seqs],
-                                   [len(s.targets) for s in seqs])
-        logits = self.model.forward(batch, self.cache)
+        slots, starts, tokens, kinds = [s.slot for s in seqs], [s.start for s in seqs], [s.token_ids for s in seqs], \
+            [s.decode for s in seqs]
+        samples, scores = [s.sample for s in seqs], [len(s.targets) for s in seqs]
+        batch = ForwardBatch.build(slots, starts, tokens, kinds, self.device, samples, scores)
+        if self.workers is None:
+            logits = self.model.forward(batch, self.cache)
+        else:
+            self.workers.send(["forward", slots, starts, tokens, kinds, samples, scores])
+            try:
+                logits = self.model.forward(batch, self.cache)
+            except Exception as exc:  # a worker died, or this rank left the others inside a collective
+                raise self.workers.failed(exc) from exc
         finite = torch.isfinite(logits).all(dim=-1)
         if not bool(finite.all()):
             raise NonFiniteOutputError(f"the model produced non-finite logits (NaN or inf) for logit row(s) "

@@ -73,9 +73,10 @@ def _triton(implementations: Implementations, batch_invariant: bool, decode_per_
 
 BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
     Backend("torch", _torch, invariant_by_construction=False,
-            options=("batch_invariant", "invariance_probe", "decode_per_row", "exact_positions"),
+            options=("batch_invariant", "invariance_probe", "decode_per_row", "exact_positions", "tree_reduction"),
             exact_by_default=False),  # see the README: faster decode, 3-15% slower prefill, one CPU measured
-    Backend("triton", _triton, invariant_by_construction=True, options=("exact_positions",), exact_by_default=True),
+    Backend("triton", _triton, invariant_by_construction=True, options=("exact_positions", "tree_reduction"),
+            exact_by_default=True),
 )}
 
 DEFAULT_BACKEND = "torch"  # runs anywhere; the fast path on CPU

@@ -18,6 +18,7 @@ import torch
 from ..cache import RecurrentCacheSpec
 from ..config import ConfigDefaults, ModelConfig
 from ..kernels import Ops
+from ..parallel.group import TensorParallel
 from .layers import Shapes, Weights
 from .protocol import Model
 
@@ -39,7 +40,7 @@ class Family:
 
     name: str
     architectures: tuple[str, ...]  # config.json `architectures[0]` values it loads
-    model: Callable[[ModelConfig, Weights, Ops, int], Model]  # (cfg, weights, ops, max_seq_len) -> model
+    model: Callable[[ModelConfig, Weights, Ops, int, TensorParallel], Model]  # (cfg, weights, ops, max_seq_len, tp)
     expected_weights: Callable[[ModelConfig], Shapes]
     skip_weight: Callable[[str], bool]
     matrices: Callable[[ModelConfig], Matrices]  # the distinct matrices of its layers, multiplied per token row

@@ -27,7 +27,10 @@ from ..config import ModelConfig
 from ..kernels import Ops
 from ..kernels.pointwise import elementwise_invariant
 from ..kernels.rope import rope_table
+from ..parallel.group import SINGLE, TensorParallel
+from ..parallel.tree import tree_sum
 from .batch import DecodeRows, ForwardBatch, PrefillRows
+from .row_parallel import RowParallel
 
 Weights = dict[str, torch.Tensor]
 Shapes = dict[str, tuple[int, ...]]
@@ -157,15 +160,15 @@ class Attention:
     output is multiplied by sigmoid(gate) before o_proj (Qwen3.5)."""
 
     def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, rope: Rope, norm_weight: NormWeight = as_is,
-                 gated: bool = False) -> None:
+                 gated: bool = False, tp: TensorParallel = SINGLE) -> None:
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.eps, self.scale, self.rope, self.gated = cfg.rms_norm_eps, cfg.head_dim ** -0.5, rope, gated
         self.qkv = torch.cat([w[prefix + n] for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight")])
         bias = cfg.attention_bias
         self.qkv_bias = (torch.cat([w[prefix + n] for n in ("q_proj.bias", "k_proj.bias", "v_proj.bias")])
                          if bias else None)
-        self.o_proj = w[prefix + "o_proj.weight"]
-        self.o_proj_bias = w[prefix + "o_proj.bias"] if bias else None
+        self.o_proj = RowParallel(w[prefix + "o_proj.weight"], w[prefix + "o_proj.bias"] if bias else None, tp,
+                                  prefix + "o_proj")
         self.q_norm = norm_weight(w[prefix + "q_norm.weight"])
         self.k_norm = norm_weight(w[prefix + "k_norm.weight"])
         self.cache_spec = attention_spec(cfg)
@@ -194,7 +197,7 @@ class Attention:
         return [("qkv", hidden, (2 if gated else 1) * heads * d + 2 * kv_heads * d), ("o_proj", heads * d, hidden)]
 
     def linear_weights(self) -> tuple[torch.Tensor, ...]:
-        return self.qkv, self.o_proj
+        return self.qkv, *self.o_proj.weights()
 
     def forward(self, ops: Ops, x: torch.Tensor, batch: ForwardBatch, cache: SlotCache, layer: int) -> torch.Tensor:
         tokens, d, heads, kv_heads = x.shape[0], self.head_dim, self.heads, self.kv_heads
@@ -214,15 +217,15 @@ class Attention:
         out = attention(ops, q, k_cache, v_cache, batch, self.scale).reshape(tokens, heads * d)
         if gate is not None:
             out = out * elementwise_invariant(torch.sigmoid, gate)
-        return ops.linear(out, self.o_proj, self.o_proj_bias)
+        return self.o_proj.forward(ops, out)
 
 
 class SwiGLU:
     """down(silu(gate(x)) * up(x)), gate and up fused."""
 
-    def __init__(self, w: Weights, prefix: str) -> None:
+    def __init__(self, w: Weights, prefix: str, tp: TensorParallel = SINGLE) -> None:
         self.gate_up = torch.cat([w[prefix + "gate_proj.weight"], w[prefix + "up_proj.weight"]])
-        self.down = w[prefix + "down_proj.weight"]
+        self.down = RowParallel(w[prefix + "down_proj.weight"], None, tp, prefix + "down_proj")
 
     @staticmethod
     def weight_shapes(cfg: ModelConfig, prefix: str) -> Shapes:
@@ -237,10 +240,10 @@ class SwiGLU:
         return [("gate_up", hidden, 2 * inner), ("down", inner, hidden)]
 
     def linear_weights(self) -> tuple[torch.Tensor, ...]:
-        return self.gate_up, self.down
+        return self.gate_up, *self.down.weights()
 
     def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up)), self.down)
+        return self.down.forward(ops, ops.silu_and_mul(ops.linear(x, self.gate_up)))
 
 
 class DecoderBlock:
@@ -269,11 +272,15 @@ class DecoderModel:
     """Runs a ForwardBatch through the decoder and returns the logits of each sequence's last token.
 
     Subclasses implement `build_block`, and `norm_weight` where RMSNorm weights need preparing.
+    Under tensor parallelism (`tp`) `cfg` is this rank's share (see `parallel/shard.py`): the
+    embedding and lm_head hold a block of the vocabulary, and the logits are gathered in rank order.
     """
 
-    def __init__(self, cfg: ModelConfig, weights: Weights, ops: Ops, max_seq_len: int, prefix: str = "model.") -> None:
+    def __init__(self, cfg: ModelConfig, weights: Weights, ops: Ops, max_seq_len: int, tp: TensorParallel = SINGLE,
+                 prefix: str = "model.") -> None:
         self.cfg = cfg
         self.ops = ops
+        self.tp = tp
         self.embed = weights[prefix + "embed_tokens.weight"]
         self.final_norm = self.norm_weight(weights[prefix + "norm.weight"])
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
@@ -316,10 +323,22 @@ class DecoderModel:
         ops, eps = self.ops, self.cfg.rms_norm_eps
         # Token rows go through their kind's linear (body_ops); the lm_head sees only the rows whose logits are wanted.
         rows_ops = body_ops(ops, batch)
-        hidden = ops.embedding(batch.input_ids, self.embed)
+        hidden = self._embed(batch.input_ids)
         for index, block in enumerate(self.blocks):
             hidden = block.forward(rows_ops, hidden, batch, cache, index, eps)
         if batch.logit_rows.numel() == 0:  # only prefill pieces that end inside their prompts, unscored
             return hidden.new_empty(0, self.lm_head.shape[0], dtype=torch.float32)
         last = hidden.index_select(0, batch.logit_rows)
-        return ops.linear(ops.rms_norm(last, self.final_norm, eps), self.lm_head).float()
+        logits = ops.linear(ops.rms_norm(last, self.final_norm, eps), self.lm_head).float()
+        return logits if self.tp.size == 1 else torch.cat(self.tp.all_gather(logits), dim=-1)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows; under tensor parallelism each rank looks up the ids of its vocabulary
+        block, zeros elsewhere, and the ranks' rows are summed: one of them is not zero, so exactly."""
+        if self.tp.size == 1:
+            return self.ops.embedding(input_ids, self.embed)
+        block = self.embed.shape[0]
+        local = input_ids - self.tp.rank * block
+        mine = (local >= 0) & (local < block)
+        rows = self.ops.embedding(torch.where(mine, local, 0), self.embed)
+        return tree_sum(self.tp.all_gather(torch.where(mine[:, None], rows, 0)))

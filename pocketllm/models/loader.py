@@ -13,11 +13,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from ..config import CheckpointError, read_json_object
+from ..parallel.shard import ShardPlan, TensorShard
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -65,8 +67,10 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def load_weights(path: str | Path, expected: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device | str,
-                 skip: Callable[[str], bool] = lambda name: False) -> dict[str, torch.Tensor]:
-    """Read every expected tensor, converted to `dtype` on `device`.
+                 skip: Callable[[str], bool] = lambda name: False,
+                 shard: ShardPlan | None = None) -> dict[str, torch.Tensor]:
+    """Read every expected tensor, converted to `dtype` on `device`; with `shard` (a tensor-parallel
+    rank's plan) only the part of each tensor the plan names is read from the file.
 
     `expected` maps names to shapes; a tensor for which `skip(name)` holds is ignored, any other
     name not in `expected` is an error, as is a missing tensor, a shape mismatch, a dtype that is
@@ -78,7 +82,7 @@ def load_weights(path: str | Path, expected: dict[str, tuple[int, ...]], dtype: 
     files = checkpoint_files(path)
     for file in files:
         try:
-            _load_file(file, expected, dtype, device, skip, weights, skipped)
+            _load_file(file, expected, dtype, device, skip, weights, skipped, shard)
         except (CheckpointError, KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # safetensors' own errors (a Rust panic included) and I/O errors
@@ -93,7 +97,8 @@ def load_weights(path: str | Path, expected: dict[str, tuple[int, ...]], dtype: 
 
 
 def _load_file(file: Path, expected: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device | str,
-               skip: Callable[[str], bool], weights: dict[str, torch.Tensor], skipped: list[str]) -> None:
+               skip: Callable[[str], bool], weights: dict[str, torch.Tensor], skipped: list[str],
+               shard: ShardPlan | None) -> None:
     """Add the tensors of one safetensors file to `weights` (or their names to `skipped`)."""
     with safe_open(str(file), framework="pt", device="cpu") as handle:
         for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
@@ -116,8 +121,19 @@ def _load_file(file: Path, expected: dict[str, tuple[int, ...]], dtype: torch.dt
                                       f"load ({', '.join(FLOAT_DTYPES)})")
             # A copy of our own, in the allocator's 64-byte alignment: a tensor read from the file
             # sits wherever its offset puts it, and BLAS results can depend on the alignment of W.
-            tensor = handle.get_tensor(name).to(device=device, dtype=dtype, copy=True)
+            part = None if shard is None else shard(name, shape)
+            tensor = (handle.get_tensor(name) if part is None else _read_part(info, shape, part)).to(
+                device=device, dtype=dtype, copy=True)
             if not bool(torch.isfinite(tensor).all()):
                 raise CheckpointError(f"{file}: tensor {name!r} holds NaN or infinite values "
                                       f"(after conversion from {stored} to {dtype})")
             weights[name] = tensor
+
+
+def _read_part(info: Any, shape: tuple[int, ...], part: TensorShard) -> torch.Tensor:
+    """The rows or columns `part` names of a tensor, read from the file slice by slice."""
+    pieces = []
+    for start, stop in part.ranges:
+        index = (slice(None),) * part.dim + (slice(start, stop),) + (slice(None),) * (len(shape) - part.dim - 1)
+        pieces.append(info[index])
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=part.dim)

@@ -33,8 +33,9 @@ class Qwen3Model(DecoderModel):
     """Every layer is full attention + SwiGLU."""
 
     def build_block(self, weights: Weights, prefix: str, kind: str) -> DecoderBlock:
-        return DecoderBlock(weights, prefix, Attention(self.cfg, weights, prefix + "self_attn.", self.rope),
-                            SwiGLU(weights, prefix + "mlp."), self.norm_weight)
+        return DecoderBlock(weights, prefix, Attention(self.cfg, weights, prefix + "self_attn.", self.rope,
+                                                       tp=self.tp),
+                            SwiGLU(weights, prefix + "mlp.", self.tp), self.norm_weight)
 
 
 def matrices(cfg: ModelConfig) -> Matrices:

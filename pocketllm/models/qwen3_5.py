@@ -22,9 +22,11 @@ from ..cache import RecurrentCacheSpec, SlotCache
 from ..config import ConfigDefaults, ModelConfig
 from ..kernels import Ops
 from ..kernels.pointwise import elementwise_invariant
+from ..parallel.group import SINGLE, TensorParallel
 from .batch import ForwardBatch
 from .family import Family, Matrices
 from .layers import Attention, DecoderBlock, DecoderModel, Shapes, SwiGLU, Weights, conv1d, gated_delta, layer_state
+from .row_parallel import RowParallel
 
 SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.")  # multi-token prediction and vision towers
 
@@ -75,7 +77,7 @@ def offset_norm(weight: torch.Tensor) -> torch.Tensor:
 class DeltaNet:
     """Gated DeltaNet mixer: state per slot (conv window, fp32 recurrent state), no K/V."""
 
-    def __init__(self, cfg: ModelConfig, w: Weights, p: str) -> None:
+    def __init__(self, cfg: ModelConfig, w: Weights, p: str, tp: TensorParallel = SINGLE) -> None:
         self.cfg = cfg
         self.in_proj = torch.cat([w[p + "in_proj_qkv.weight"], w[p + "in_proj_z.weight"], w[p + "in_proj_b.weight"],
                                   w[p + "in_proj_a.weight"]])
@@ -83,11 +85,11 @@ class DeltaNet:
         self.dt_bias = w[p + "dt_bias"]
         self.neg_decay_rate = -w[p + "A_log"].float().exp()
         self.norm = w[p + "norm.weight"]
-        self.out_proj = w[p + "out_proj.weight"]
+        self.out_proj = RowParallel(w[p + "out_proj.weight"], None, tp, p + "out_proj")
         self.cache_spec = recurrent_spec(cfg)
 
     def linear_weights(self) -> tuple[torch.Tensor, ...]:
-        return self.in_proj, self.out_proj
+        return self.in_proj, *self.out_proj.weights()
 
     @staticmethod
     def matrices(cfg: ModelConfig) -> Matrices:
@@ -128,14 +130,15 @@ class DeltaNet:
         out = gated_delta(ops, q, k, v, g, beta, layer_state(cache.recurrent, layer), batch, cache.replay[layer])
         out = ops.rms_norm_gated(out, z.reshape(tokens, v_heads, cfg.linear_value_head_dim), self.norm,
                                  cfg.rms_norm_eps)
-        return ops.linear(out.reshape(tokens, value_dim), self.out_proj)
+        return self.out_proj.forward(ops, out.reshape(tokens, value_dim))
 
 
 class Qwen3_5Model(DecoderModel):
     """Gated DeltaNet or gated full attention per layer, as `layer_types` says; (1 + weight) norms."""
 
-    def __init__(self, cfg: ModelConfig, weights: Weights, ops: Ops, max_seq_len: int) -> None:
-        super().__init__(cfg, weights, ops, max_seq_len, prefix=text_prefix(cfg))
+    def __init__(self, cfg: ModelConfig, weights: Weights, ops: Ops, max_seq_len: int,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__(cfg, weights, ops, max_seq_len, prefix=text_prefix(cfg), tp=tp)
 
     def norm_weight(self, weight: torch.Tensor) -> torch.Tensor:
         return offset_norm(weight)
@@ -143,10 +146,10 @@ class Qwen3_5Model(DecoderModel):
     def build_block(self, weights: Weights, prefix: str, kind: str) -> DecoderBlock:
         if kind == "full_attention":
             mixer: Attention | DeltaNet = Attention(self.cfg, weights, prefix + "self_attn.", self.rope,
-                                                    self.norm_weight, gated=True)
+                                                    self.norm_weight, gated=True, tp=self.tp)
         else:
-            mixer = DeltaNet(self.cfg, weights, prefix + "linear_attn.")
-        return DecoderBlock(weights, prefix, mixer, SwiGLU(weights, prefix + "mlp."), self.norm_weight)
+            mixer = DeltaNet(self.cfg, weights, prefix + "linear_attn.", self.tp)
+        return DecoderBlock(weights, prefix, mixer, SwiGLU(weights, prefix + "mlp.", self.tp), self.norm_weight)
 
 
 def matrices(cfg: ModelConfig) -> Matrices:

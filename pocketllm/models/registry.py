@@ -13,6 +13,8 @@ import torch
 from ..cache import LayerCacheSpec, attention_spec
 from ..config import ConfigDefaults, ModelConfig
 from ..kernels import Ops
+from ..parallel.group import SINGLE, TensorParallel
+from ..parallel.shard import local_config, shard_plan
 from . import qwen3, qwen3_5
 from .family import Family
 from .loader import CheckpointError, load_weights
@@ -37,16 +39,18 @@ def config_defaults(architecture: str) -> ConfigDefaults:
 
 
 def build_model(path: str | Path, cfg: ModelConfig, ops: Ops, dtype: torch.dtype,
-                device: torch.device | str, max_seq_len: int) -> Model:
-    """Load the checkpoint at `path` into the model class its architecture names."""
+                device: torch.device | str, max_seq_len: int, tp: TensorParallel = SINGLE) -> Model:
+    """Load the checkpoint at `path` into the model class its architecture names; under tensor
+    parallelism, this rank's share of it (its tensors read from the files slice by slice)."""
     if cfg.architecture not in ARCHITECTURES:
         raise CheckpointError(
             f"{Path(path) / 'config.json'}: unknown architecture {cfg.architecture!r}; "
             f"supported: {sorted(ARCHITECTURES)}"
         )
     family = ARCHITECTURES[cfg.architecture]
-    weights = load_weights(path, family.expected_weights(cfg), dtype, device, skip=family.skip_weight)
-    return family.model(cfg, weights, ops, max_seq_len)
+    plan = shard_plan(cfg, tp.rank, tp.size) if tp.size > 1 else None
+    weights = load_weights(path, family.expected_weights(cfg), dtype, device, skip=family.skip_weight, shard=plan)
+    return family.model(local_config(cfg, tp.size), weights, ops, max_seq_len, tp)
 
 
 def layer_specs(cfg: ModelConfig) -> list[LayerCacheSpec]:

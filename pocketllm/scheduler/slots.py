@@ -242,4 +242,5 @@ class SlotManager:
         """Let go of a request's host copy (swapped back in, or ended while swapped out)."""
         if request.swapped is not None:
             self.swap_held -= request.swapped.nbytes
+            self.cache.drop_swap(request.swapped)
             request.swapped = None

@@ -1,0 +1,87 @@
+"""The process group a tensor-parallel engine's ranks talk through, and the one for a single process.
+
+`torch.distributed` process groups built as objects (a `TCPStore` per engine and a Gloo or NCCL
+group on it), never the global default group: two engines in one process each have their own, and
+nothing is left initialised when an engine closes. Gloo carries the commands on every device (JSON,
+never pickle); the collectives run on the group of the device (NCCL for CUDA tensors).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# How long a collective waits for the other ranks. A rank that dies is noticed at once (its
+# connections close); this bounds only a rank that is alive but stuck.
+TIMEOUT = datetime.timedelta(minutes=10)
+
+
+class TensorParallel:
+    """This process's place among the ranks, and the collectives the model layers call.
+
+    `size == 1` needs no group: every collective is the identity. `tree`: row-parallel products are
+    summed over fixed K shards in one binary tree (see `parallel/tree.py`); otherwise one product
+    per rank and a plain all-reduce, whose order is the library's.
+    """
+
+    def __init__(self, rank: int = 0, size: int = 1, tree: bool = True) -> None:
+        self.rank, self.size, self.tree = rank, size, tree
+        self._group: Any = None
+        self._commands: Any = None
+
+    def connect(self, port: int, device: torch.device, store: dist.TCPStore | None = None) -> None:
+        """Join the engine's ranks (blocks until all have): commands on Gloo, collectives on the
+        device's group. Rank 0 passes the store it opened; the others reach it by `port`."""
+        if store is None:
+            store = dist.TCPStore("127.0.0.1", port, self.size, is_master=False, timeout=TIMEOUT)
+        self._commands = dist.ProcessGroupGloo(dist.PrefixStore("commands/", store), self.rank, self.size, TIMEOUT)
+        prefix = dist.PrefixStore("collectives/", store)
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = TIMEOUT
+            self._group = dist.ProcessGroupNCCL(prefix, self.rank, self.size, options)
+        else:
+            self._group = dist.ProcessGroupGloo(prefix, self.rank, self.size, TIMEOUT)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor` (same shape everywhere), in rank order."""
+        if self.size == 1:
+            return [tensor]
+        tensor = tensor.contiguous()
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._group.allgather([out], [tensor]).wait()
+        return out
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks in the library's own order (the tree's negative control)."""
+        if self.size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        self._group.allreduce([tensor]).wait()
+        return tensor
+
+    def broadcast(self, message: Any) -> None:
+        """Rank 0: send a JSON-able message to every other rank (on Gloo: host tensors)."""
+        data = torch.frombuffer(bytearray(json.dumps(message).encode()), dtype=torch.uint8)
+        self._commands.broadcast(torch.tensor([data.numel()], dtype=torch.int64), 0).wait()
+        self._commands.broadcast(data, 0).wait()
+
+    def receive(self) -> Any:
+        """Another rank: the next message rank 0 broadcasts."""
+        length = torch.zeros(1, dtype=torch.int64)
+        self._commands.broadcast(length, 0).wait()
+        data = torch.empty(int(length.item()), dtype=torch.uint8)
+        self._commands.broadcast(data, 0).wait()
+        return json.loads(bytes(data.numpy()).decode())
+
+
+SINGLE = TensorParallel()
+
+
+def open_store(size: int, port: int = 0) -> dist.TCPStore:
+    """Rank 0's store on a free local port (`store.port`), for `size` ranks."""
+    return dist.TCPStore("127.0.0.1", port, size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)

@@ -1,0 +1,273 @@
+"""The worker processes of a tensor-parallel engine, and rank 0's handle on them.
+
+The engine's process is rank 0: it runs the scheduler, its own shard of the model and the
+sampler. Ranks 1..n-1 are processes started here (spawned, never forked: the parent may hold
+threads and an OpenMP team). Each loads its shard of the checkpoint, builds its slot cache, then
+serves commands from rank 0 until told to stop: a forward (the batch's host-side description; every
+rank builds the same ForwardBatch from it), or one of the slot cache's mutators, replayed so that
+every rank's cache holds the same slots, prefix copies, snapshots and swaps as rank 0's.
+
+Failure: a worker that raises exits (its traceback on stderr), which closes its connections, so
+rank 0's next collective fails at once instead of hanging; rank 0 then stops the other workers and
+fails every later forward with `WorkerError`. Workers die with rank 0 too: they are daemonic, and a
+collective on a dead rank 0's connections raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..cache import LayerCacheSpec, SlotCache, StateSnapshot, SwappedSlot
+from ..models.batch import ForwardBatch
+from .group import TensorParallel, open_store
+
+if TYPE_CHECKING:
+    from ..config import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0  # loading a shard of a large checkpoint
+STOP_TIMEOUT_S = 10.0
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker exited or failed: this engine cannot run forwards any more."""
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank `rank`'s device: CUDA ranks take consecutive GPUs from the engine's; CPU ranks share it."""
+    return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to build its shard (sent to the spawned process)."""
+
+    args: EngineArgs
+    rank: int
+    size: int
+    port: int
+    replay: bool  # Gated DeltaNet replay buffers (see LLM._replay_buffers)
+    threads: int  # torch threads: rank 0's, so every rank computes as a single process would
+
+
+def _worker_main(spec: WorkerSpec, status: multiprocessing.connection.Connection) -> None:
+    """A worker process: build, report, join the group, serve. Imports happen here, in the child."""
+    from ..config import ModelConfig
+    from ..kernels import get_ops
+    from ..models import build_model
+
+    try:
+        torch.set_num_threads(spec.threads)
+        args, options = spec.args, spec.args.options.backend
+        device = rank_device(torch.device(args.device), spec.rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        tp = TensorParallel(spec.rank, spec.size, tree=options.tree_reduction)
+        ops = get_ops(args.backend, options.batch_invariant, options.decode_per_row, args.op_overrides,
+                      options.exact_positions)
+        cfg = ModelConfig.from_dir(args.model)
+        model = build_model(args.model, cfg, ops, args.torch_dtype, device, args.max_seq_len, tp)
+        cache = SlotCache(args.max_batch_size, args.max_seq_len, model.cache_specs(), args.torch_dtype, device,
+                          replay=spec.replay)
+    except BaseException as exc:  # reported to rank 0, which raises it
+        status.send(f"{type(exc).__name__}: {exc}")
+        return
+    status.send(None)
+    tp.connect(spec.port, device)
+    _serve(tp, model, cache, device)
+
+
+@torch.inference_mode()
+def _serve(tp: TensorParallel, model: Any, cache: SlotCache, device: torch.device) -> None:
+    """Run rank 0's commands until "stop"; an exception ends the process (rank 0 notices)."""
+    swaps: dict[int, SwappedSlot] = {}
+    snapshot: StateSnapshot | None = None
+    while True:
+        name, *payload = tp.receive()
+        if name == "stop":
+            return
+        if name == "forward":
+            slots, starts, tokens, kinds, sampled, scored = payload
+            model.forward(ForwardBatch.build(slots, starts, tokens, kinds, device, sampled, scored), cache)
+        elif name == "snapshot_states":
+            snapshot = cache.snapshot_states(*payload)
+        elif name == "restore_states":
+            cache.restore_states(snapshot)
+        elif name == "swap_out":
+            handle, slot, length = payload
+            swaps[handle] = cache.swap_out(slot, length)
+        elif name == "swap_in":
+            slot, handle = payload
+            cache.swap_in(slot, swaps.pop(handle))
+        elif name == "drop_swap":
+            swaps.pop(payload[0], None)
+        elif name in ("reset", "forget", "save_prefix_state", "copy_prefix"):
+            getattr(cache, name)(*payload)
+        else:
+            raise ValueError(f"unknown command {name!r}")
+
+
+class Workers:
+    """Rank 0's handle on ranks 1..n-1: start them, send them commands, notice and report their end."""
+
+    def __init__(self, args: EngineArgs, size: int, replay: bool) -> None:
+        self.size = size
+        self.store = open_store(size)
+        self.broken: str | None = None
+        self.tp: TensorParallel | None = None
+        context = multiprocessing.get_context("spawn")
+        self.processes: list[multiprocessing.process.BaseProcess] = []
+        self._status: list[multiprocessing.connection.Connection] = []
+        for rank in range(1, size):
+            receiver, sender = context.Pipe(duplex=False)
+            spec = WorkerSpec(args, rank, size, self.store.port, replay, torch.get_num_threads())
+            process = context.Process(target=_worker_main, args=(spec, sender), daemon=True,
+                                      name=f"pocketllm-tp-rank{rank}")
+            process.start()
+            sender.close()
+            self.processes.append(process)
+            self._status.append(receiver)
+
+    def connect(self, tp: TensorParallel, device: torch.device) -> None:
+        """Wait until every worker has built its shard (raising what one failed with), then join the group."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for rank, (process, status) in enumerate(zip(self.processes, self._status), start=1):
+            while not status.poll(0.1):
+                if not process.is_alive() or time.monotonic() > deadline:
+                    self.stop()
+                    raise WorkerError(f"tensor-parallel worker {rank} " + (
+                        f"exited with code {process.exitcode} while loading" if not process.is_alive()
+                        else f"did not load its shard in {START_TIMEOUT_S:.0f} s"))
+            error = status.recv()
+            if error is not None:
+                self.stop()
+                raise WorkerError(f"tensor-parallel worker {rank} failed to load: {error}")
+        tp.connect(self.store.port, device, self.store)
+        self.tp = tp
+
+    def send(self, message: Sequence[Any]) -> None:
+        """Broadcast one command; after a failure, cache commands are dropped (no worker is left to
+        keep in step) and a forward raises WorkerError."""
+        if self.broken is None:
+            assert self.tp is not None
+            try:
+                self.tp.broadcast(list(message))
+                return
+            except RuntimeError as exc:
+                self.failed(exc)
+        if message[0] == "forward":
+            raise WorkerError(self.broken or "tensor-parallel workers stopped")
+
+    def failed(self, exc: BaseException) -> WorkerError:
+        """Record that a collective with the workers failed; stop them all. The error to raise."""
+        if self.broken is None:
+            exits = [f"worker {rank} exited with code {p.exitcode}" for rank, p in enumerate(self.processes, 1)
+                     if not p.is_alive()]
+            self.broken = (f"tensor-parallel group failed ({'; '.join(exits) or type(exc).__name__}): {exc}")
+            logger.error("%s", self.broken)
+            self._terminate()
+        return WorkerError(self.broken)
+
+    def stop(self) -> None:
+        """Tell the workers to exit and wait for them (killing any that does not); idempotent."""
+        if self.broken is None and self.tp is not None:
+            with contextlib.suppress(RuntimeError):  # a worker already gone: terminated below
+                self.tp.broadcast(["stop"])
+        self.broken = self.broken or "the engine was closed"
+        self._terminate()
+
+    def _terminate(self) -> None:
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for status in self._status:
+            status.close()
+        self._status = []
+
+
+class ParallelCache(SlotCache):
+    """Rank 0's slot cache: its own shard, and every mutation replayed on the workers' caches.
+
+    Each rank holds an equal shard, so sizes that count host memory are rank 0's times the ranks.
+    A worker keeps a swapped-out slot's shard under the handle rank 0's copy carries, and the
+    latest state snapshot (a forward's `restore_states` only ever undoes the latest)."""
+
+    def __init__(self, num_slots: int, max_seq_len: int, layers: list[LayerCacheSpec], dtype: torch.dtype,
+                 device: torch.device | str, replay: bool, workers: Workers) -> None:
+        super().__init__(num_slots, max_seq_len, layers, dtype, device, replay)
+        self.workers = workers
+        self._handles = iter(range(1 << 62))
+
+    def reset(self, slot: int, keep: int = 0) -> None:
+        super().reset(slot, keep)
+        self.workers.send(["reset", slot, keep])
+
+    def forget(self, slot: int) -> None:
+        super().forget(slot)
+        self.workers.send(["forget", slot])
+
+    def save_prefix_state(self, slot: int, position: int) -> None:
+        super().save_prefix_state(slot, position)
+        self.workers.send(["save_prefix_state", slot, position])
+
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        super().copy_prefix(source, target, length)
+        self.workers.send(["copy_prefix", source, target, length])
+
+    def swap_bytes(self, length: int) -> int:
+        return super().swap_bytes(length) * self.workers.size
+
+    def swap_out(self, slot: int, length: int) -> SwappedSlot:
+        local = super().swap_out(slot, length)
+        handle = next(self._handles)
+        self.workers.send(["swap_out", handle, slot, length])
+        return ShardedSwap(local.length, local.kv, local.states, handle, self.workers.size)
+
+    def swap_in(self, slot: int, swapped: SwappedSlot) -> None:
+        assert isinstance(swapped, ShardedSwap)
+        super().swap_in(slot, swapped)
+        self.workers.send(["swap_in", slot, swapped.handle])
+
+    def drop_swap(self, swapped: SwappedSlot) -> None:
+        assert isinstance(swapped, ShardedSwap)
+        self.workers.send(["drop_swap", swapped.handle])
+
+    @property
+    def prefix_state_nbytes(self) -> int:
+        return super().prefix_state_nbytes * self.workers.size
+
+    def snapshot_states(self, slots: list[int], starts: list[int]) -> StateSnapshot | None:
+        snapshot = super().snapshot_states(slots, starts)
+        if snapshot is not None:
+            self.workers.send(["snapshot_states", slots, starts])
+        return snapshot
+
+    def restore_states(self, snapshot: StateSnapshot | None) -> None:
+        super().restore_states(snapshot)
+        if snapshot is not None:
+            self.workers.send(["restore_states"])
+
+
+@dataclass(frozen=True)
+class ShardedSwap(SwappedSlot):
+    """Rank 0's shard of a swapped-out slot; the workers hold theirs under `handle`."""
+
+    handle: int = 0
+    ranks: int = 1
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes * self.ranks
