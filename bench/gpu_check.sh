@@ -21,6 +21,10 @@ timeout 60 python -m pocketllm.lab.compile --target "$arch" --json --quiet > "$o
 compile_rc=$?
 timeout 120 python bench/e2e.py --preset qwen3-0.6b --out "$out" 2>&1 | tail -20
 e2e_rc=${PIPESTATUS[0]}
+# Several GPUs: TP=1 against TP=2 on NCCL, with and without the fixed reduction tree (bits compared).
+if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -gt 1 ]; then
+    timeout 180 python bench/tensor_parallel.py --device cuda --preset qwen3-0.6b --out "$out" 2>&1 | tail -12
+fi
 python bench/gpu_summary.py --out "$out" --rc "tests=$tests_rc" --rc "kernels=$kernels_rc" \
     --rc "compile=$compile_rc" --rc "e2e=$e2e_rc"
 summary_rc=$?

@@ -68,7 +68,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"checkpoint: {path} (random weights, preset {args.preset!r}: expect gibberish text)")
     params = _demo_params(len(DEMO_PROMPTS))
     common: dict[str, Any] = dict(model=str(path), max_seq_len=256)
-    serial_llm = LLM(EngineArgs(**common))
+    size = args.tensor_parallel_size
+    # Sharded, the batched engine is also checked against a single process: on the fixed-order kernels,
+    # whose columns do not depend on how many columns a rank's product holds.
+    options: dict[str, Any] = {"exact_positions": True} if size > 1 else {}
+    if size > 1:
+        print(f"batched engine: tensor_parallel_size={size}; serial engine: one process")
+    serial_llm = LLM(EngineArgs(**common, backend_options=options))
     if serial_llm.invariance_report is not None:
         print(f"start-up probe: {serial_llm.invariance_report.summary()}")
     prompts = [_demo_encode(serial_llm, text) for text in DEMO_PROMPTS]
@@ -76,7 +82,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     serial = [serial_llm.generate(prompt_tokens=p, sampling_params=sp)
               for p, sp in tqdm(list(zip(prompts, params)), desc="serial", unit="req")]
     serial_s = time.perf_counter() - start
-    with LLM(EngineArgs(**common, backend_options={"enable_batching": True, "max_batch_size": 4})) as llm:
+    with LLM(EngineArgs(**common, tensor_parallel_size=size,
+                        backend_options={**options, "enable_batching": True, "max_batch_size": 4})) as llm:
         scheduler = llm.scheduler
         assert scheduler is not None  # enable_batching
         bar = tqdm(total=len(DEMO_PROMPTS), desc="batched", unit="req")
@@ -108,13 +115,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             top_p=args.top_p, seed=args.seed)
     options = {"enable_batching": True, "background_thread": False} if args.stream else None
     llm = LLM(EngineArgs(model=args.model, dtype=args.dtype, device=args.device, max_seq_len=args.max_seq_len,
-                         backend_options=options))
-    if args.stream:
-        result = _print_stream(llm, args, params)
-    elif args.prompt is not None:
-        result = llm.generate(prompts=args.prompt, sampling_params=params)
-    else:
-        result = llm.generate(prompt_tokens=args.prompt_tokens, sampling_params=params)
+                         backend_options=options, tensor_parallel_size=args.tensor_parallel_size))
+    with llm:
+        if args.stream:
+            result = _print_stream(llm, args, params)
+        elif args.prompt is not None:
+            result = llm.generate(prompts=args.prompt, sampling_params=params)
+        else:
+            result = llm.generate(prompt_tokens=args.prompt_tokens, sampling_params=params)
     token_ids = ",".join(str(t) for t in result.token_ids)
     if args.prompt is not None:
         if not args.stream:
@@ -165,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="serial and batched generation on an embedded random checkpoint, "
                                        "with the batched == serial check")
     demo.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    demo.add_argument("--tensor-parallel-size", type=int, default=1,
+                      help="shard the batched engine over this many processes (checked against one)")
     demo.set_defaults(func=cmd_demo)
 
     gen = sub.add_parser("generate", help="generate text or token ids from a checkpoint directory")
@@ -181,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--max-seq-len", type=int, default=4096)
     gen.add_argument("--stream", action="store_true", help="print each token as it is sampled")
+    gen.add_argument("--tensor-parallel-size", type=int, default=1, help="shard the model over this many processes")
     gen.set_defaults(func=cmd_generate)
 
     make = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint in Hugging Face format")

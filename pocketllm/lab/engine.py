@@ -118,28 +118,31 @@ def prefix_workloads(vocab: int, max_prompt: int = 200, max_jobs: int = 8, max_t
 class Engines:
     """One serial engine and one batched engine per max_batch_size, on the same checkpoint and
     options (`options`: backend options; `engine_args`: backend, op_overrides, ...); one more serial
-    engine per other way of cutting prompts (chunk size, snapshot interval) a workload runs on."""
+    engine per other way of cutting prompts (chunk size, snapshot interval) a workload runs on.
+    `batched_args`: EngineArgs of the batched engines only (tensor_parallel_size=2: the batched runs
+    are sharded, their references single-process)."""
 
     def __init__(self, path: str | Path, max_seq_len: int = MAX_SEQ_LEN, engine_args: Mapping[str, Any] | None = None,
-                 **options: Any) -> None:
+                 batched_args: Mapping[str, Any] | None = None, **options: Any) -> None:
         self.path = str(path)
         self.options = options
         self.engine_args = dict(engine_args or {})
+        self.batched_args = dict(batched_args or {})
         self.max_seq_len = max_seq_len
         self.serial = self._engine(self.options)
         self.batched: dict[int, LLM] = {}
         self._cut_serial: dict[tuple[int, int], LLM] = {}
         self.serial_cache: dict[tuple, tuple[list[int], list[float]]] = {}
 
-    def _engine(self, options: dict[str, Any]) -> LLM:
-        return LLM(EngineArgs(model=self.path, max_seq_len=self.max_seq_len, backend_options=options,
-                              **self.engine_args))
+    def _engine(self, options: dict[str, Any], batched: bool = False) -> LLM:
+        args = {**self.engine_args, **self.batched_args} if batched else self.engine_args
+        return LLM(EngineArgs(model=self.path, max_seq_len=self.max_seq_len, backend_options=options, **args))
 
     def scheduler(self, max_batch_size: int) -> Any:
         if max_batch_size not in self.batched:
             self.batched[max_batch_size] = self._engine({**self.options, "enable_batching": True,
                                                          "max_batch_size": max_batch_size,
-                                                         "background_thread": False})
+                                                         "background_thread": False}, batched=True)
         return self.batched[max_batch_size].scheduler
 
     def _serial_for(self, policy: PrefillPolicy | None) -> LLM:
@@ -165,7 +168,7 @@ class Engines:
         return self.serial_cache[key]
 
     def close(self) -> None:
-        for llm in [*self.batched.values(), *self._cut_serial.values()]:
+        for llm in [self.serial, *self.batched.values(), *self._cut_serial.values()]:
             llm.close()
 
 

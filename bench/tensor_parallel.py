@@ -1,0 +1,102 @@
+"""Tensor parallelism: tokens/s at TP=1 and TP=2, and what the fixed reduction tree costs.
+
+Four engines on one random-weight checkpoint, each running the same batched workload (requests of
+`--prompt` tokens generating `--new` tokens each, all submitted at once): TP=1 with one product per
+row-parallel matrix (no tree), TP=1 with the tree, TP=2 with the tree, TP=2 with a plain all-reduce.
+Every engine runs the fixed-order kernels (`exact_positions`), which the guarantee across sizes
+rests on; the report says whether each configuration's outputs equal TP=1-with-tree's bit for bit.
+On a CPU the ranks share its cores (each rank gets cores / size threads), so TP=2 is not expected
+to be faster here; on a machine with several GPUs pass `--device cuda`.
+
+    python bench/tensor_parallel.py [--preset small] [--requests 8] [--prompt 64] [--new 32] [--out bench/results]
+Writes tensor_parallel.json and tensor_parallel.md; prints each configuration as it finishes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pocketllm import LLM, EngineArgs, SamplingParams
+from pocketllm.bench.report import load_average, machine_info, save_report
+from pocketllm.models.presets import cached_checkpoint
+
+CONFIGS = (("TP=1, no tree", 1, False), ("TP=1, tree", 1, True), ("TP=2, tree", 2, True),
+           ("TP=2, plain all-reduce", 2, False))
+
+
+def run_config(path: str, size: int, tree: bool, device: str, prompts: list[list[int]], new: int,
+               cores: int) -> dict[str, Any]:
+    torch.set_num_threads(max(1, cores // size if device == "cpu" else cores))  # the workers take this count
+    started = time.perf_counter()
+    llm = LLM(EngineArgs(model=path, device=device, max_seq_len=len(prompts[0]) + new + 8, tensor_parallel_size=size,
+                         backend_options={"enable_batching": True, "max_batch_size": len(prompts),
+                                          "exact_positions": True, "tree_reduction": tree}))
+    load_s = time.perf_counter() - started
+    params = SamplingParams(max_tokens=new, temperature=0.8, seed=1, ignore_eos=True)
+    try:
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+        started = time.perf_counter()
+        results = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - started
+    finally:
+        llm.close()
+    tokens = sum(len(r.token_ids) for r in results)
+    return {"tensor_parallel_size": size, "tree": tree, "threads_per_rank": torch.get_num_threads(),
+            "load_s": load_s, "seconds": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed,
+            "outputs": [(r.token_ids, r.logprobs) for r in results]}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    machine = report["machine"]
+    lines = [f"# Tensor parallelism: {report['preset']}, {report['requests']} requests x "
+             f"({report['prompt']} in, {report['new']} out), {report['device']}",
+             "", f"Machine: {machine.get('processor', '?')}, {machine.get('cpu_count', '?')} cores; "
+             f"load average at the end {report['load_average_1min_at_end']}", "",
+             "| configuration | threads/rank | tokens/s | vs TP=1 no tree | bitwise = TP=1 tree |",
+             "|---|---|---|---|---|"]
+    base = report["configs"]["TP=1, no tree"]["tokens_per_s"]
+    for name, row in report["configs"].items():
+        lines.append(f"| {name} | {row['threads_per_rank']} | {row['tokens_per_s']:.1f} | "
+                     f"{row['tokens_per_s'] / base:.2f}x | {'yes' if row['same_as_tree'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    path = str(cached_checkpoint(args.preset))
+    cores = os.cpu_count() or 1
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 200, (args.prompt,), generator=generator).tolist() for _ in range(args.requests)]
+    configs: dict[str, Any] = {}
+    for name, size, tree in CONFIGS:
+        print(f"{name}: running", flush=True)
+        row = run_config(path, size, tree, args.device, prompts, args.new, cores)
+        configs[name] = row
+        print(f"{name}: {row['tokens_per_s']:.1f} tokens/s ({row['threads_per_rank']} threads per rank, "
+              f"loaded in {row['load_s']:.1f} s)", flush=True)
+    reference = configs["TP=1, tree"]["outputs"]
+    for row in configs.values():
+        row["same_as_tree"] = row.pop("outputs") == reference
+    report = {"machine": machine_info(), "preset": args.preset, "requests": args.requests, "prompt": args.prompt,
+              "new": args.new, "device": args.device, "configs": configs,
+              "load_average_1min_at_end": load_average()}
+    text = markdown(report)
+    save_report(args.out, "tensor_parallel", report, text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""Tensor parallelism on CPU (Gloo, two processes): the same bits at every size, and processes
+that start, fail and stop cleanly.
+
+TP=2 batched runs are compared with TP=1 serial runs (`Engines(batched_args=...)`), so one
+property proves batched == serial and TP=2 == TP=1 together, with chunked prefill, prefix reuse
+and preemption in the mix. The engines run on the fixed-order kernels (`exact_positions`): a
+column's bits then do not depend on how many columns a rank's call holds."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from helpers import budget
+from hypothesis import given, settings
+
+from pocketllm import LLM, EngineArgs, SamplingParams
+from pocketllm.config import ModelConfig
+from pocketllm.lab.engine import Engines, Job, Schedule, mismatches, preemption_workloads, prefix_workloads
+from pocketllm.models.loader import load_weights
+from pocketllm.models.registry import family_of
+from pocketllm.parallel.shard import local_config, shard_plan
+from pocketllm.parallel.tree import REDUCTION_SHARDS, SIZES, tree_sum
+
+VOCAB = 256
+MAX_SEQ_LEN = 224
+OPTIONS = {"exact_positions": True}
+TP2 = {"tensor_parallel_size": 2}
+
+
+def _workers() -> list[multiprocessing.process.BaseProcess]:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("pocketllm-tp-rank")]
+
+
+def test_every_size_adds_the_same_numbers_in_the_same_order():
+    """The ranks' local trees are subtrees of the one tree: summing them in rank order gives the
+    bits of the whole tree at every size; a sequential sum of the same parts does not (the inputs
+    are ones where order shows)."""
+    generator = torch.Generator().manual_seed(0)
+    parts = [torch.randn(64, generator=generator) * 10.0 ** torch.randint(-6, 7, (64,), generator=generator)
+             for _ in range(REDUCTION_SHARDS)]
+    whole = tree_sum(parts)
+    for size in SIZES:
+        width = REDUCTION_SHARDS // size
+        ranks = [tree_sum(parts[r * width:(r + 1) * width]) for r in range(size)]
+        assert torch.equal(tree_sum(ranks), whole), size
+    sequential = parts[0]
+    for part in parts[1:]:
+        sequential = sequential + part
+    assert not torch.equal(sequential, whole)
+    with pytest.raises(ValueError, match="power-of-two"):
+        tree_sum(parts[:3])
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3.5-tiny"])
+@pytest.mark.parametrize("size", [2, 4])
+def test_each_rank_reads_its_slices_of_the_checkpoint(checkpoint_dir, preset, size):
+    """Rank r's tensors are its blocks of the full ones (q/k/v rows, conv channels per section,
+    o_proj/down/out_proj columns, vocabulary rows), read slice by slice from the file; with fewer KV
+    heads than ranks each rank has the KV head its query heads read."""
+    path = checkpoint_dir("tiny" if preset == "tiny" else "qwen3.5")
+    cfg = ModelConfig.from_dir(path)
+    family = family_of(cfg)
+    full = load_weights(path, family.expected_weights(cfg), torch.float32, "cpu", skip=family.skip_weight)
+    local = local_config(cfg, size)
+    assert local.num_attention_heads * size == cfg.num_attention_heads
+    assert local.vocab_size * size == cfg.vocab_size
+    assert local.num_key_value_heads == max(1, cfg.num_key_value_heads // size)
+    d = cfg.head_dim
+    for rank in range(size):
+        mine = load_weights(path, family.expected_weights(cfg), torch.float32, "cpu", skip=family.skip_weight,
+                            shard=shard_plan(cfg, rank, size))
+        assert mine.keys() == full.keys()
+        for name, tensor in mine.items():
+            whole = full[name]
+            if name.endswith(("k_proj.weight", "v_proj.weight")):
+                kv_heads = cfg.num_key_value_heads
+                head = rank * kv_heads // size
+                per = max(1, kv_heads // size)
+                first = rank * per if kv_heads >= size else head
+                assert torch.equal(tensor, whole[first * d:(first + per) * d]), name
+            elif name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
+                width = whole.shape[1] // size
+                assert torch.equal(tensor, whole[:, rank * width:(rank + 1) * width]), name
+            elif name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+                key, value = cfg.linear_num_key_heads * cfg.linear_key_head_dim, \
+                    cfg.linear_num_value_heads * cfg.linear_value_head_dim
+                sections = whole.split([key, key, value])
+                expected = torch.cat([s[rank * (s.shape[0] // size):(rank + 1) * (s.shape[0] // size)]
+                                      for s in sections])
+                assert torch.equal(tensor, expected), name
+            elif tensor.shape != whole.shape:
+                rows = whole.shape[0] // size
+                assert torch.equal(tensor, whole[rank * rows:(rank + 1) * rows]), name
+            else:
+                assert torch.equal(tensor, whole), name  # norms: replicated
+
+
+@pytest.mark.parametrize("variant", ["tiny", "qwen3.5"])
+@torch.inference_mode()
+def test_tp2_greedy_equals_transformers(checkpoint_dir, variant):
+    """At TP=2 (logits gathered from the ranks' vocabulary blocks), greedy tokens equal
+    transformers' generate(do_sample=False)."""
+    transformers = pytest.importorskip("transformers")
+    path = checkpoint_dir(variant)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    hf.eval()
+    hf.generation_config.eos_token_id = None  # generate() merges this in even when told eos_token_id=None
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=0)
+    llm = LLM(EngineArgs(model=str(path), max_seq_len=MAX_SEQ_LEN, tensor_parallel_size=2,
+                         backend_options={"enable_batching": True}))
+    try:
+        prompts = [[(7 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((1, 9, 70))]
+        results = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        for prompt, result in zip(prompts, results):
+            ids = torch.tensor([prompt])
+            expected = hf.generate(ids, attention_mask=torch.ones_like(ids),
+                                   generation_config=config)[0, len(prompt):].tolist()
+            assert result.token_ids == expected
+    finally:
+        llm.close()
+
+
+def test_sizes_that_do_not_fit_are_refused_before_any_worker_starts(checkpoint_dir):
+    path = checkpoint_dir("tiny")  # 4 heads, 2 KV heads
+    before = set(_workers())
+    with pytest.raises(ValueError, match=r"tensor_parallel_size must be an int in \[1, 64\], got 0"):
+        EngineArgs(model=path, tensor_parallel_size=0)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size must be one of \(1, 2, 4, 8\).*got 3"):
+        LLM(EngineArgs(model=path, tensor_parallel_size=3))
+    with pytest.raises(ValueError, match="tensor_parallel_size=8 must divide num_attention_heads=4"):
+        LLM(EngineArgs(model=path, tensor_parallel_size=8))
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide num_attention_heads=4"):
+        LLM(EngineArgs(model=path, tensor_parallel_size=3, backend_options={"tree_reduction": False}))
+    assert set(_workers()) - before == set()
+
+
+@pytest.fixture(scope="module", params=["tiny", "qwen3.5"])
+def engines(request, checkpoint_dir):
+    engines = Engines(checkpoint_dir(request.param), max_seq_len=MAX_SEQ_LEN, batched_args=TP2, **OPTIONS)
+    yield engines
+    engines.close()
+
+
+# Every example starts no engine (they are the module's), but runs two processes per step: a tenth of the budget.
+@settings(max_examples=budget(0.1))
+@given(workload=prefix_workloads(VOCAB, max_prompt=160, max_jobs=6, max_tokens=10))
+def test_tp2_batched_equals_tp1_serial_bitwise(engines, workload):
+    """Random budgets, chunk sizes, snapshot intervals, reuse, arrivals and cancellations at TP=2:
+    every request's tokens and logprobs equal its cold serial run at TP=1, bit for bit."""
+    jobs, max_batch_size, schedule = workload
+    assert mismatches(engines, jobs, max_batch_size, schedule) == []
+
+
+@settings(max_examples=budget(0.05))
+@given(workload=preemption_workloads(VOCAB, max_prompt=130, max_jobs=5, max_tokens=10, min_preempts=1))
+def test_tp2_preempted_equals_tp1_serial_bitwise(engines, workload):
+    """Priorities and forced preemptions at TP=2 (each rank swaps its shard out and back in):
+    still the TP=1 serial bits."""
+    jobs, max_batch_size, schedule = workload
+    assert mismatches(engines, jobs, max_batch_size, schedule) == []
+
+
+def _fixed_jobs(count: int = 4) -> list[Job]:
+    rng = random.Random(5)
+    return [Job(tuple(rng.randrange(VOCAB) for _ in range(rng.randint(5, 90))),
+                SamplingParams(max_tokens=8, temperature=rng.choice([0.0, 0.9]), seed=rng.randrange(2**32),
+                               logprobs=1, ignore_eos=True), arrival_step=i, cancel_step=None)
+            for i in range(count)]
+
+
+@pytest.mark.parametrize("variant", ["tiny", pytest.param("qwen3.5", marks=pytest.mark.slow)])
+def test_without_the_tree_tp2_differs_from_tp1(checkpoint_dir, variant):
+    """Negative control: one product per rank and a plain all-reduce (the tree off) changes the
+    bits between TP=1 and TP=2, and the comparison above notices."""
+    engines = Engines(checkpoint_dir(variant), max_seq_len=MAX_SEQ_LEN, batched_args=TP2, tree_reduction=False,
+                      **OPTIONS)
+    try:
+        schedule = Schedule(chunk_size=64, snapshot_interval=64, budget_slack=0, prefix_reuse=True)
+        assert mismatches(engines, _fixed_jobs(), 2, schedule) != []
+    finally:
+        engines.close()
+
+
+def test_close_stops_the_workers_and_a_second_engine_runs_beside_the_first(checkpoint_dir):
+    """Two TP=2 engines in one process each have their own group; close() ends each one's worker."""
+    path = checkpoint_dir("tiny")
+    params = SamplingParams(max_tokens=6, temperature=0.7, seed=1)
+    before = set(_workers())  # the module's other engines
+    first = LLM(EngineArgs(model=path, max_seq_len=MAX_SEQ_LEN, tensor_parallel_size=2, backend_options=OPTIONS))
+    second = LLM(EngineArgs(model=path, max_seq_len=MAX_SEQ_LEN, tensor_parallel_size=2,
+                            backend_options={**OPTIONS, "enable_batching": True}))
+    try:
+        assert len(set(_workers()) - before) == 2
+        assert first.capabilities.tensor_parallel_size == 2
+        a, b = first.generate([1, 2, 3], params), second.generate([1, 2, 3], params)
+        assert (a.token_ids, a.logprobs) == (b.token_ids, b.logprobs)
+    finally:
+        first.close()
+        second.close()
+    assert set(_workers()) - before == set()
+
+
+def test_a_worker_killed_mid_run_fails_the_requests_without_hanging(checkpoint_dir):
+    """SIGKILL the worker between two steps of running requests: each ends with "error" naming the
+    worker's exit, a later request fails at once, close() returns, and no process is left."""
+    path = checkpoint_dir("qwen3.5")
+    before = set(_workers())
+    llm = LLM(EngineArgs(model=path, max_seq_len=MAX_SEQ_LEN, tensor_parallel_size=2,
+                         backend_options={**OPTIONS, "enable_batching": True, "background_thread": False}))
+    try:
+        scheduler = llm.scheduler
+        assert scheduler is not None
+        ids = [scheduler.submit_request([1 + i, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+               for i in range(3)]
+        for _ in range(3):
+            scheduler.step()
+        assert scheduler.get_stats().running == 3  # prefilled, decoding
+        (worker,) = set(_workers()) - before
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        started = time.monotonic()
+        while scheduler.has_work:
+            scheduler.step()
+        results = [scheduler.poll_result(i) for i in ids]
+        assert [r.finish_reason for r in results] == ["error"] * 3
+        assert all("worker 1 exited with code -9" in (r.error or "") for r in results), results[0].error
+        late = llm.generate([4, 5, 6], SamplingParams(max_tokens=4))
+        assert late.finish_reason == "error" and "worker 1 exited" in (late.error or "")
+        assert time.monotonic() - started < 10
+    finally:
+        llm.close()
+    assert set(_workers()) - before == set()
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch and the package: 10-15 s
+def test_workers_exit_when_the_engine_process_dies(checkpoint_dir, tmp_path):
+    """A driver killed outright (no close, no atexit) leaves no worker behind."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        from pocketllm import LLM, EngineArgs
+        llm = LLM(EngineArgs(model={str(checkpoint_dir("tiny"))!r}, max_seq_len=64, tensor_parallel_size=2))
+        import multiprocessing
+        print(multiprocessing.active_children()[0].pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    pid = int(run.stdout.split()[0])
+    deadline = time.monotonic() + 30
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie waits for a parent that no longer exists
+        return stat.read().split(")")[1].split()[0] != "Z"
