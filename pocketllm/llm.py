@@ -195,7 +195,8 @@ class LLM:
         exact = get_backend(self.args.backend).exact(options.exact_positions)
         report = probe_row_invariance(ops.linear, ops.prefill_linear, ops.rms_norm, ops.silu_and_mul, ops.sample,
                                       body, lm_head, cfg.hidden_size, cfg.vocab_size, exact_positions=exact,
-                                      gated_delta=self._gated_delta_probe())
+                                      gated_delta=self._gated_delta_probe(),
+                                      columns=self.args.tensor_parallel_size > 1)
         self.invariance_report = report
         if report.ok:
             logger.info("invariance probe: %s", report.summary())

@@ -82,6 +82,15 @@ def _rows_alike(name: str, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.
     return failures
 
 
+def _columns_alike(name: str, fn: Callable, weight: torch.Tensor, x: torch.Tensor) -> list[str]:
+    """A block of W's output features computed alone (a tensor-parallel rank's share) must give the
+    columns the whole product gives."""
+    half = weight.shape[0] // 2
+    if half and not torch.equal(fn(x, weight[:half].contiguous()), fn(x, weight)[:, :half]):
+        return [f"{name}: a block of {half} output columns differs from the same columns of all {weight.shape[0]}"]
+    return []
+
+
 def _distinct_shapes(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The first weight of each shape: the BLAS path depends on the shape, not the values."""
     first: dict[tuple[int, ...], torch.Tensor] = {}
@@ -156,11 +165,13 @@ def _replay_cut_invariant(probe: GatedDeltaProbe, generator: torch.Generator, de
 def probe_row_invariance(linear: Callable, prefill_linear: Callable, rms_norm: Callable, silu_and_mul: Callable,
                          sample: Callable, body_weights: Sequence[torch.Tensor], lm_head: torch.Tensor,
                          hidden_size: int, vocab_size: int, seed: int = 0,
-                         exact_positions: bool = False, gated_delta: GatedDeltaProbe | None = None) -> ProbeReport:
+                         exact_positions: bool = False, gated_delta: GatedDeltaProbe | None = None,
+                         columns: bool = False) -> ProbeReport:
     """Check the row-wise ops on the model's own weights and widths: `linear` on every distinct
     shape (decode rows and the lm_head), `prefill_linear` on the body's (prefill token rows), and
     with `exact_positions` that the two give a row the same bits, and that `gated_delta`'s exact
-    replay is cut invariant; the inputs are random, drawn from `seed`."""
+    replay is cut invariant; with `columns` (tensor parallelism) that a block of output columns
+    computed alone keeps its bits; the inputs are random, drawn from `seed`."""
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
     device, dtype = lm_head.device, lm_head.dtype
@@ -181,6 +192,8 @@ def probe_row_invariance(linear: Callable, prefill_linear: Callable, rms_norm: C
                 failures += _rows_alike(checks[-1], functools.partial(_apply_linear, fn, w), x)
                 if exact_positions and fn is prefill_linear:
                     failures += _prefill_rows_are_decode_rows(checks[-1], linear, prefill_linear, w, x)
+                if columns:
+                    failures += _columns_alike(checks[-1], fn, w, x)
         norm_weight = randn(hidden_size)
         checks.append(f"rms_norm {hidden_size}")
         failures += _rows_alike(checks[-1], lambda x: rms_norm(x, norm_weight, 1e-6), randn(PROBE_ROWS, hidden_size))

@@ -268,3 +268,28 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as stat:  # a zombie waits for a parent that no longer exists
         return stat.read().split(")")[1].split()[0] != "Z"
+
+
+def test_the_probe_checks_that_a_ranks_block_of_columns_keeps_its_bits():
+    """At TP>1 the start-up probe also compares a block of output columns computed alone with the
+    same columns of the whole product: a linear whose columns depend on the call's width fails it,
+    the engine's own passes."""
+    from pocketllm.kernels import get_ops
+    from pocketllm.kernels.probe import probe_row_invariance
+
+    ops = get_ops("torch", exact_positions=True)
+    generator = torch.Generator().manual_seed(0)
+    body, lm_head = [torch.randn(96, 64, generator=generator)], torch.randn(256, 64, generator=generator)
+
+    def column_count_dependent(x, weight, bias=None):
+        """The engine's row-invariant linear, but a column's bits depend on the call's width."""
+        return ops.linear(x, weight, bias) + weight.shape[0] * 2.0 ** -10
+
+    def probe(linear, columns):
+        return probe_row_invariance(linear, linear, ops.rms_norm, ops.silu_and_mul, ops.sample, body, lm_head, 64,
+                                    256, columns=columns)
+
+    assert probe(ops.linear, columns=True).ok
+    assert probe(column_count_dependent, columns=False).ok
+    report = probe(column_count_dependent, columns=True)
+    assert not report.ok and "a block of 48 output columns differs" in " ".join(report.failures)
