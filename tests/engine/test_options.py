@@ -20,7 +20,8 @@ def test_none_and_empty_mean_defaults():
                                     "prefill_chunk_size": 512, "max_waiting": 0, "max_swap_bytes": 0,
                                     "preemption_mode": "swap", "enable_prefix_reuse": True,
                                     "state_snapshot_interval": 512, "batch_invariant": True,
-                                    "invariance_probe": True, "decode_per_row": False, "exact_positions": None}
+                                    "invariance_probe": True, "decode_per_row": False, "tree_reduction": True,
+                                    "exact_positions": None}
 
 
 def test_keys_go_to_their_group_and_the_options_are_frozen():
