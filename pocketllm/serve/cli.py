@@ -37,6 +37,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-size", type=int, default=8, help="cache slots: requests running at once")
     parser.add_argument("--max-waiting", type=int, default=0,
                         help="waiting requests beyond which a request is answered 429 (0: no bound)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="shard the model over this many processes")
     parser.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                         help="any other backend_options entry, e.g. --option prefill_chunk_size=256")
 
@@ -44,7 +45,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_args(args: argparse.Namespace) -> EngineArgs:
     options = {"max_batch_size": args.max_batch_size, "max_waiting": args.max_waiting, **dict(args.option)}
     return EngineArgs(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device,
-                      max_seq_len=args.max_seq_len, backend_options=options)
+                      max_seq_len=args.max_seq_len, backend_options=options,
+                      tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _set_threads(threads: int | None) -> None:
