@@ -90,20 +90,20 @@ def test_moe_positions_are_exact_on_the_torch_backend(checkpoint_dir, variant):
 @pytest.mark.parametrize("variant", ["qwen3-moe", "qwen3.5-moe"])
 def test_moe_positions_are_exact_on_the_triton_backend(checkpoint_dir, variant):
     llm = _fresh_slots(_engine(checkpoint_dir(variant), "triton"))
-    assert _mismatch(llm, [(13 * i + 5) % 256 for i in range(10)], [3, 7]) is None
+    assert _mismatch(llm, [(13 * i + 5) % 256 for i in range(7)], [3]) is None
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["qwen3-moe", "qwen3.5-moe_mm_per_expert"])
 def test_moe_triton_backend_batched_equals_serial_bitwise(checkpoint_dir, variant):
-    """Interpreted: a few short requests through 3 slots, chunked at 64 with prefix reuse."""
+    """Interpreted: a few short requests through 3 slots."""
     engines = Engines(checkpoint_dir(variant), engine_args={"backend": "triton"})
     rng = random.Random(4)
     try:
-        jobs = [Job(tuple(rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))),
-                    SamplingParams(max_tokens=rng.randint(2, 5), temperature=rng.choice([0.0, 0.8]),
+        jobs = [Job(tuple(rng.randrange(VOCAB) for _ in range(rng.randint(1, 8))),
+                    SamplingParams(max_tokens=rng.randint(2, 4), temperature=rng.choice([0.0, 0.8]),
                                    seed=rng.randrange(2**32), ignore_eos=True),
-                    arrival_step=rng.randint(0, 3), cancel_step=None) for _ in range(5)]
+                    arrival_step=rng.randint(0, 2), cancel_step=None) for _ in range(4)]
         assert mismatches(engines, jobs, 3) == []
     finally:
         engines.close()
