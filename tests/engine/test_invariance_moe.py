@@ -41,28 +41,28 @@ def engines(request, checkpoint_dir):
     engines.close()
 
 
-@settings(max_examples=budget(0.5))
+@settings(max_examples=budget(0.4))
 @given(workload=workloads(VOCAB, max_jobs=8, max_tokens=12))
 def test_moe_batched_equals_serial_bitwise(engines, workload):
     jobs, max_batch_size = workload
     assert mismatches(engines, jobs, max_batch_size) == []
 
 
-@settings(max_examples=budget(0.5))
+@settings(max_examples=budget(0.4))
 @given(workload=prefix_workloads(VOCAB, max_jobs=6))
 def test_moe_chunked_and_reused_equals_cold_serial_bitwise(engines, workload):
     jobs, max_batch_size, schedule = workload
     assert mismatches(engines, jobs, max_batch_size, schedule) == []
 
 
-@settings(max_examples=budget(0.25))
+@settings(max_examples=budget(0.2))
 @given(workload=preemption_workloads(VOCAB, max_prompt=130, max_jobs=6, max_tokens=12))
 def test_moe_preempted_and_prioritised_equals_uninterrupted_serial_bitwise(engines, workload):
     jobs, max_batch_size, schedule = workload
     assert mismatches(engines, jobs, max_batch_size, schedule) == []
 
 
-@settings(max_examples=budget(0.25))
+@settings(max_examples=budget(0.2))
 @given(case=sequences)
 def test_moe_positions_are_exact_property(checkpoint_dir, case):
     """Random sequences and cuts on the hybrid MoE: every position's scores equal decoded, cut or whole."""

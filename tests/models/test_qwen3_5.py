@@ -16,7 +16,7 @@ from pocketllm.models import ForwardBatch
 PROMPT_LENGTHS = [1, 5, 64, 70]
 
 
-# The parity tests below run on the mixture-of-experts variants too (tests/models/test_moe.py: the rest).
+# The parity tests below run on the mixture-of-experts variants too (tests/models/test_moe_families.py: the rest).
 @pytest.fixture(scope="module", params=sorted(QWEN3_5_VARIANTS) + sorted(MOE_VARIANTS))
 def pair(request, checkpoint_dir):
     path = checkpoint_dir(request.param)
