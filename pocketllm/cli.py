@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--multimodal", action="store_true",
-                      help="Qwen3.5 presets: write the Qwen3_5ForConditionalGeneration layout")
+                      help="Qwen3.5 (and Qwen3.5-MoE) presets: write the ...ForConditionalGeneration layout")
     make.add_argument("--force", action="store_true",
                       help="write into a non-empty directory, replacing an earlier checkpoint's files")
     make.add_argument("directory", help="output directory")

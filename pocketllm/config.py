@@ -121,6 +121,14 @@ class ConfigDefaults:
     # Hybrid families: every full_attention_interval-th layer is full attention, the others linear
     # attention, when config.json has no layer_types. None: every layer is full attention.
     full_attention_interval: int | None = None
+    # Mixture-of-experts families: num_experts, num_experts_per_tok and moe_intermediate_size are
+    # required; `norm_topk_prob` when config.json does not say; `shared_expert`: every sparse layer
+    # has a gated shared expert (shared_expert_intermediate_size required); `dense_mlp`: some layer
+    # may be a dense SwiGLU (intermediate_size required).
+    moe: bool = False
+    norm_topk_prob: bool = False
+    shared_expert: bool = False
+    dense_mlp: bool = True
 
     def layer_types(self, layers: int, interval: int) -> list[str]:
         if self.full_attention_interval is None:
@@ -128,12 +136,16 @@ class ConfigDefaults:
         return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
 
 
-def _family_defaults(architecture: str) -> ConfigDefaults:
-    """The defaults of the family that loads `architecture`. Imported when a config is parsed, not
-    with this module: the families live with the models, which import this module."""
-    from .models.registry import config_defaults
+def _family_defaults(architecture: str, source: str) -> ConfigDefaults:
+    """The defaults of the family that loads `architecture`; a CheckpointError naming it and the
+    supported architectures when no family does. Imported when a config is parsed, not with this
+    module: the families live with the models, which import this module."""
+    from .models.registry import ARCHITECTURES
 
-    return config_defaults(architecture)
+    family = ARCHITECTURES.get(architecture)
+    if family is None:
+        raise CheckpointError(f"{source}: unknown architecture {architecture!r}; supported: {sorted(ARCHITECTURES)}")
+    return family.defaults
 
 
 @dataclass(frozen=True)
@@ -162,6 +174,20 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
+    # Mixture-of-experts models (Qwen3-MoE, Qwen3.5-MoE); num_experts 0: every layer dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+
+    def sparse_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the mixture of experts (else the dense SwiGLU), as
+        transformers decides it: not in mlp_only_layers, and every decoder_sparse_step-th layer."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def num_query_groups(self) -> int:
@@ -202,7 +228,7 @@ class ModelConfig:
         if heads % kv_heads:
             raise CheckpointError(f"{source}: num_attention_heads={heads} is not a multiple of "
                                   f"num_key_value_heads={kv_heads}")
-        defaults = _family_defaults(architecture)
+        defaults = _family_defaults(architecture, source)
         layer_types = _layer_types(fields, defaults, source)
         layers = len(layer_types)
         hidden = fields.positive_int("hidden_size")
@@ -213,7 +239,8 @@ class ModelConfig:
             architecture=architecture,
             vocab_size=fields.positive_int("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=fields.positive_int("intermediate_size"),
+            intermediate_size=fields.positive_int("intermediate_size", _REQUIRED if defaults.dense_mlp else 0,
+                                                  minimum=1 if defaults.dense_mlp else 0),
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
@@ -231,6 +258,7 @@ class ModelConfig:
             linear_key_head_dim=fields.positive_int("linear_key_head_dim", 0, minimum=0),
             linear_value_head_dim=fields.positive_int("linear_value_head_dim", 0, minimum=0),
             linear_conv_kernel_dim=fields.positive_int("linear_conv_kernel_dim", 4),
+            **_moe_fields(fields, defaults, layers),
         )
         _check_consistent(cfg, source)
         return cfg
@@ -251,6 +279,28 @@ def _language_model_fields(raw: dict[str, Any], source: str) -> tuple[str, _Fiel
                           "eos_token_id": text.get("eos_token_id", raw.get("eos_token_id"))},
                          f"{source} (text_config)")
     return architecture, fields
+
+
+def _moe_fields(fields: _Fields, defaults: ConfigDefaults, layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of a MoE family's config (required where the family has them);
+    none for a dense family."""
+    if not defaults.moe:
+        return {}
+    experts = fields.positive_int("num_experts")
+    top_k = fields.positive_int("num_experts_per_tok")
+    if top_k > experts:
+        fields.fail("num_experts_per_tok", f"must be at most num_experts={experts}", top_k)
+    # A family without dense layers (Qwen3.5-MoE) makes every layer sparse, whatever these say.
+    mlp_only = fields.get("mlp_only_layers", list, []) if defaults.dense_mlp else []
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in mlp_only):
+        fields.fail("mlp_only_layers", f"must list layer indices in [0, {layers})", mlp_only)
+    shared = fields.positive_int("shared_expert_intermediate_size", _REQUIRED if defaults.shared_expert else 0,
+                                 minimum=1 if defaults.shared_expert else 0)
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": fields.positive_int("moe_intermediate_size"),
+            "norm_topk_prob": fields.get("norm_topk_prob", bool, defaults.norm_topk_prob),
+            "decoder_sparse_step": fields.positive_int("decoder_sparse_step", 1) if defaults.dense_mlp else 1,
+            "mlp_only_layers": tuple(sorted(set(mlp_only))), "shared_expert_intermediate_size": shared}
 
 
 def _layer_types(fields: _Fields, defaults: ConfigDefaults, source: str) -> tuple[str, ...]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CHECKPOINT_VARIANTS, QWEN3_5_VARIANTS
+from helpers import CHECKPOINT_VARIANTS, MOE_VARIANTS, QWEN3_5_VARIANTS
 from hypothesis import HealthCheck, settings
 
 from pocketllm import write_checkpoint
@@ -70,16 +70,24 @@ def single_torch_thread():
 
 @pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
-    """Factory: variant name (CHECKPOINT_VARIANTS or QWEN3_5_VARIANTS) -> path of its checkpoint,
-    written on first use."""
+    """Factory: variant name (CHECKPOINT_VARIANTS, QWEN3_5_VARIANTS or MOE_VARIANTS) -> path of its
+    checkpoint, written on first use ("per_expert": the experts rewritten in the per-expert layout)."""
     written: dict[str, Path] = {}
 
     def make(variant: str = "tiny") -> Path:
         if variant not in written:
             path = tmp_path_factory.mktemp(f"ckpt_{variant}")
-            overrides = dict({**CHECKPOINT_VARIANTS, **QWEN3_5_VARIANTS}[variant])
+            overrides = dict({**CHECKPOINT_VARIANTS, **QWEN3_5_VARIANTS, **MOE_VARIANTS}[variant])
             preset = overrides.pop("preset", "tiny")
+            per_expert = overrides.pop("per_expert", False)
             written[variant] = write_checkpoint(path, preset, seed=len(written) + 1, **overrides)
+            if per_expert:
+                from safetensors.torch import load_file, save_file
+
+                from pocketllm.models.moe import split_experts
+
+                file = str(path / "model.safetensors")
+                save_file(split_experts(load_file(file)), file, metadata={"format": "pt"})
         return written[variant]
 
     return make

@@ -16,6 +16,7 @@ import torch
 from pocketllm.kernels.decode_attention import decode_attention_fused, decode_attention_triton
 from pocketllm.kernels.gated_delta_prefill import gated_delta_prefill_recurrent
 from pocketllm.kernels.linear import linear_per_row
+from pocketllm.kernels.moe import experts_by_group
 from pocketllm.kernels.prefill_attention import prefill_attention_ref
 
 NUDGE = 1.0 + 2.0**-20  # exact in fp32; x * NUDGE != x for every nonzero normal fp32 x
@@ -68,3 +69,28 @@ def gated_delta_prefill_first_row_nudged(q: torch.Tensor, k: torch.Tensor, v: to
     first_rows = cu_seqlens[:-1][cu_seqlens[:-1] < cu_seqlens[1:]].long()
     out[first_rows] = out[first_rows] * NUDGE
     return out
+
+
+def moe_grouping_order(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+                       w_down: torch.Tensor) -> torch.Tensor:
+    """Each token's contributions summed in the order the batch's expert groups are visited (largest
+    group first, as a load-balancing grouped GEMM schedules them), not in the token's rank order;
+    the products themselves row invariant. Where that order is not the rank order the token's sum
+    rounds differently (for three terms or more, or in half precision, it does), which is planted
+    as the nudge, so it shows for any K and on every machine. The order, and so the bits, depend
+    on which other tokens share the batch. Within tolerance of the reference."""
+    tokens, top_k = topk_ids.shape
+    y = experts_by_group(x, topk_ids, w_gate_up, w_down, linear_per_row).float()
+    counts = torch.bincount(topk_ids.reshape(-1), minlength=w_gate_up.shape[0])
+    visit = sorted(range(w_gate_up.shape[0]), key=lambda e: (-int(counts[e]), e))
+    when = torch.empty_like(counts)
+    when[torch.tensor(visit, dtype=torch.long)] = torch.arange(len(visit))
+    order = torch.argsort(when[topk_ids], dim=1, stable=True)  # each token's ranks in visiting order
+    contributions = y * topk_weights.float()[..., None]
+    ordered = contributions.gather(1, order[..., None].expand_as(contributions))
+    out = ordered[:, 0]
+    for k in range(1, top_k):
+        out = out + ordered[:, k]
+    moved = (order != torch.arange(top_k)).any(dim=1)
+    out[moved] = out[moved] * NUDGE
+    return out.to(x.dtype)

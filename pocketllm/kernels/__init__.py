@@ -22,6 +22,7 @@ from .gated_delta_decode import GatedDeltaDecode
 from .gated_delta_prefill import GatedDeltaPrefill
 from .linear import Linear
 from .logprobs import Logprobs
+from .moe import Moe
 from .prefill_attention import PrefillAttention
 from .registry import IMPLEMENTATIONS, OP_NAMES, ImplSpec, check_overrides, register, resolve
 from .rms_norm import RmsNorm
@@ -59,6 +60,8 @@ class Ops:
     gated_delta_prefill: GatedDeltaPrefill
     gated_delta_decode: GatedDeltaDecode
     rms_norm_gated: RmsNormGated
+    # Mixture-of-experts layers (Qwen3-MoE, Qwen3.5-MoE)
+    moe: Moe
 
 
 if {f.name for f in fields(Ops)} != set(OP_NAMES):

@@ -43,6 +43,8 @@ def _torch(implementations: Implementations, batch_invariant: bool, decode_per_r
     bits decoded or prefilled. The gated delta rule runs token by token in the C++ kernel for
     prefill and decode alike, exact along the sequence and faster than the references at real
     shapes (where it cannot be built: the references, chunked prefill with replay buffers when exact).
+    Mixture-of-experts layers multiply each expert's rows, decode and prefill rows alike, in the decode
+    rows' fixed tiles (with `exact_positions`, by the C++ kernel).
     `batch_invariant=False` makes the linear layers one plain GEMM call per batch (a negative
     control for the invariance tests, and a speed baseline)."""
     impls = dict.fromkeys(implementations, "ref")
@@ -52,8 +54,9 @@ def _torch(implementations: Implementations, batch_invariant: bool, decode_per_r
     if batch_invariant:
         impls.update(linear="per_row" if decode_per_row else "row_invariant",
                      prefill_linear="decode_tiles" if exact_positions else "row_invariant")
+        impls.update(moe="row_invariant")  # decode and prefill rows alike: in the decode rows' tiles
         if exact_positions and load_extension() is not None:  # else the MKL tiles, after its warning
-            impls.update(linear="fixed_order", prefill_linear="fixed_order")
+            impls.update(linear="fixed_order", prefill_linear="fixed_order", moe="fixed_order")
     if load_extension() is not None:  # else the references (chunked prefill; replay buffers when exact)
         impls.update(gated_delta_prefill="recurrent", gated_delta_decode="recurrent")
     return impls

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +28,10 @@ Matrices = list[tuple[str, int, int]]  # (name, in features, out features)
 InitWeight = Callable[[str, torch.Tensor, torch.Generator], torch.Tensor | None]
 # (config.json dict, weights) -> the same checkpoint in the family's multimodal layout
 Multimodal = Callable[[dict[str, Any], dict[str, torch.Tensor]], tuple[dict[str, Any], dict[str, torch.Tensor]]]
+# (cfg, model directory, expected_weights(cfg)) -> (the names and shapes to load from this checkpoint,
+# how to bring what was loaded to expected_weights' layout): a family whose checkpoints come in
+# more than one tensor layout
+CheckpointLayout = Callable[[ModelConfig, Path, Shapes], tuple[Shapes, Callable[[Weights], Weights]]]
 
 
 def default_init(name: str, noise: torch.Tensor, generator: torch.Generator) -> torch.Tensor | None:
@@ -51,3 +56,4 @@ class Family:
     recurrent_spec: Callable[[ModelConfig], RecurrentCacheSpec] | None = None  # a linear-attention layer's slot
     init_weight: InitWeight = default_init
     multimodal: Multimodal | None = None
+    checkpoint_layout: CheckpointLayout | None = None

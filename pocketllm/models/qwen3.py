@@ -11,7 +11,7 @@ from typing import Any
 
 from ..config import ModelConfig
 from .family import Family, Matrices
-from .layers import Attention, DecoderBlock, DecoderModel, Shapes, SwiGLU, Weights
+from .layers import Attention, DecoderBlock, DecoderModel, FeedForward, Shapes, SwiGLU, Weights
 
 
 def expected_weights(cfg: ModelConfig) -> Shapes:
@@ -35,7 +35,11 @@ class Qwen3Model(DecoderModel):
     def build_block(self, weights: Weights, prefix: str, kind: str) -> DecoderBlock:
         return DecoderBlock(weights, prefix, Attention(self.cfg, weights, prefix + "self_attn.", self.rope,
                                                        tp=self.tp),
-                            SwiGLU(weights, prefix + "mlp.", self.tp), self.norm_weight)
+                            self.build_mlp(weights, prefix), self.norm_weight)
+
+    def build_mlp(self, weights: Weights, prefix: str) -> FeedForward:
+        """Layer `prefix`'s feed-forward half: the SwiGLU (a MoE family overrides it)."""
+        return SwiGLU(weights, prefix + "mlp.", self.tp)
 
 
 def matrices(cfg: ModelConfig) -> Matrices:

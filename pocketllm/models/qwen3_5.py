@@ -25,15 +25,30 @@ from ..kernels.pointwise import elementwise_invariant
 from ..parallel.group import SINGLE, TensorParallel
 from .batch import ForwardBatch
 from .family import Family, Matrices
-from .layers import Attention, DecoderBlock, DecoderModel, Shapes, SwiGLU, Weights, conv1d, gated_delta, layer_state
+from .layers import (
+    Attention,
+    DecoderBlock,
+    DecoderModel,
+    FeedForward,
+    Shapes,
+    SwiGLU,
+    Weights,
+    conv1d,
+    gated_delta,
+    layer_state,
+)
 from .row_parallel import RowParallel
 
 SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.")  # multi-token prediction and vision towers
 
 
+# The multimodal wrappers (dense and MoE), whose language model's tensors are nested.
+MULTIMODAL_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+
+
 def text_prefix(cfg: ModelConfig) -> str:
     """Where the language model's tensors live: nested under the multimodal wrapper or not."""
-    return "model.language_model." if cfg.architecture == "Qwen3_5ForConditionalGeneration" else "model."
+    return "model.language_model." if cfg.architecture in MULTIMODAL_ARCHITECTURES else "model."
 
 
 def gdn_dims(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -149,7 +164,11 @@ class Qwen3_5Model(DecoderModel):
                                                     self.norm_weight, gated=True, tp=self.tp)
         else:
             mixer = DeltaNet(self.cfg, weights, prefix + "linear_attn.", self.tp)
-        return DecoderBlock(weights, prefix, mixer, SwiGLU(weights, prefix + "mlp.", self.tp), self.norm_weight)
+        return DecoderBlock(weights, prefix, mixer, self.build_mlp(weights, prefix), self.norm_weight)
+
+    def build_mlp(self, weights: Weights, prefix: str) -> FeedForward:
+        """Layer `prefix`'s feed-forward half: the SwiGLU (a MoE family overrides it)."""
+        return SwiGLU(weights, prefix + "mlp.", self.tp)
 
 
 def matrices(cfg: ModelConfig) -> Matrices:

@@ -11,16 +11,16 @@ from pathlib import Path
 import torch
 
 from ..cache import LayerCacheSpec, attention_spec
-from ..config import ConfigDefaults, ModelConfig
+from ..config import ModelConfig
 from ..kernels import Ops
 from ..parallel.group import SINGLE, TensorParallel
 from ..parallel.shard import local_config, shard_plan
-from . import qwen3, qwen3_5
+from . import qwen3, qwen3_5, qwen3_5_moe, qwen3_moe
 from .family import Family
 from .loader import CheckpointError, load_weights
 from .protocol import Model
 
-FAMILIES: tuple[Family, ...] = (qwen3.FAMILY, qwen3_5.FAMILY)
+FAMILIES: tuple[Family, ...] = (qwen3.FAMILY, qwen3_5.FAMILY, qwen3_moe.FAMILY, qwen3_5_moe.FAMILY)
 ARCHITECTURES: dict[str, Family] = {name: family for family in FAMILIES for name in family.architectures}
 
 
@@ -29,13 +29,6 @@ def family_of(cfg: ModelConfig) -> Family:
     if cfg.architecture not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {cfg.architecture!r}; supported: {sorted(ARCHITECTURES)}")
     return ARCHITECTURES[cfg.architecture]
-
-
-def config_defaults(architecture: str) -> ConfigDefaults:
-    """What a config.json of `architecture` may leave out (plain defaults for an unknown one: the
-    loader refuses it later, naming the supported architectures)."""
-    family = ARCHITECTURES.get(architecture)
-    return family.defaults if family else ConfigDefaults()
 
 
 def build_model(path: str | Path, cfg: ModelConfig, ops: Ops, dtype: torch.dtype,
@@ -49,7 +42,12 @@ def build_model(path: str | Path, cfg: ModelConfig, ops: Ops, dtype: torch.dtype
         )
     family = ARCHITECTURES[cfg.architecture]
     plan = shard_plan(cfg, tp.rank, tp.size) if tp.size > 1 else None
-    weights = load_weights(path, family.expected_weights(cfg), dtype, device, skip=family.skip_weight, shard=plan)
+    expected = family.expected_weights(cfg)
+    if family.checkpoint_layout is None:
+        weights = load_weights(path, expected, dtype, device, skip=family.skip_weight, shard=plan)
+    else:
+        to_load, convert = family.checkpoint_layout(cfg, Path(path), expected)
+        weights = convert(load_weights(path, to_load, dtype, device, skip=family.skip_weight, shard=plan))
     return family.model(local_config(cfg, tp.size), weights, ops, max_seq_len, tp)
 
 

@@ -42,6 +42,9 @@ def check_parallel(cfg: ModelConfig, size: int, tree: bool, device: torch.device
     if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices from {device}; "
                          f"torch finds {torch.cuda.device_count()}")
+    if size > 1 and cfg.num_experts:
+        raise ValueError(f"tensor_parallel_size={size}: mixture-of-experts models run on one process for now "
+                         f"(num_experts={cfg.num_experts}); use tensor_parallel_size=1")
     if tree and size not in SIZES:
         raise ValueError(f"tensor_parallel_size must be one of {SIZES} (the fixed reduction tree has "
                          f"{REDUCTION_SHARDS} shards), got {size}")

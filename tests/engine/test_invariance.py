@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from helpers import budget, variant_params
+from helpers import budget, greedy_jobs, variant_params
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from planted import linear_row_count_dependent
@@ -26,11 +26,14 @@ workloads = workloads_of(VOCAB)
 ENGINE_VARIANTS = {"tiny": ("tiny", {}), "untied_gqa4_bias": ("untied_gqa4_bias", {}), "qwen3.5": ("qwen3.5", {}),
                    "qwen3.5_mm_untied": ("qwen3.5_mm_untied", {}),
                    "tiny_per_row": ("tiny", {"decode_per_row": True, "exact_positions": False}),
-                   "qwen3.5_per_row": ("qwen3.5", {"decode_per_row": True, "exact_positions": False})}
+                   "qwen3.5_per_row": ("qwen3.5", {"decode_per_row": True, "exact_positions": False}),
+                   # Mixtures of experts at the full budget (test_invariance_moe.py runs them by default)
+                   "qwen3-moe": ("qwen3-moe", {}), "qwen3.5-moe_mm_per_expert": ("qwen3.5-moe_mm_per_expert", {})}
 
 
 @pytest.fixture(scope="module", params=variant_params(ENGINE_VARIANTS, {"untied_gqa4_bias", "qwen3.5_mm_untied",
-                                                                      "qwen3.5_per_row"}))
+                                                                      "qwen3.5_per_row", "qwen3-moe",
+                                                                      "qwen3.5-moe_mm_per_expert"}))
 def engines(request, checkpoint_dir):
     variant, options = ENGINE_VARIANTS[request.param]
     engines = Engines(checkpoint_dir(variant), **options)
@@ -57,11 +60,7 @@ def test_negative_control_a_row_count_dependent_linear(tiny_checkpoint):
     rng = random.Random(0)
     try:
         for _ in range(30):
-            workload = [Job(tuple(rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))),
-                            SamplingParams(max_tokens=rng.randint(4, 16), temperature=0.0, ignore_eos=True),
-                            arrival_step=rng.randint(0, 3), cancel_step=None)
-                        for _ in range(rng.randint(2, 8))]
-            if mismatches(engines, workload, max_batch_size=8):
+            if mismatches(engines, greedy_jobs(rng, VOCAB), max_batch_size=8):
                 return
         pytest.fail("no counterexample with a row-count dependent linear: the property cannot see it")
     finally:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from helpers import budget
+from helpers import budget, variant_params
 from hypothesis import given, settings
 
 from pocketllm import LLM, EngineArgs, SamplingParams, SwapSpaceError
@@ -19,7 +19,9 @@ VOCAB = 256
 MAX_SEQ_LEN = 192
 
 
-@pytest.fixture(scope="module", params=["tiny", "qwen3.5"])
+# The mixtures of experts at the full budget under `slow` (test_invariance_moe.py runs them by default).
+@pytest.fixture(scope="module", params=["tiny", "qwen3.5", *variant_params(["qwen3-moe", "qwen3.5-moe"],
+                                                                          {"qwen3-moe", "qwen3.5-moe"})])
 def engines(request, checkpoint_dir):
     engines = Engines(checkpoint_dir(request.param), max_seq_len=MAX_SEQ_LEN)
     yield engines

@@ -29,10 +29,13 @@ MAX_SEQ_LEN = 224  # prompts up to 200 tokens, 12 new ones
 # Qwen3 and Qwen3.5 (attention-only and hybrid), on both decode strategies of the torch backend.
 VARIANTS = {"tiny": ("tiny", {}), "qwen3.5": ("qwen3.5", {}),
             "tiny_per_row": ("tiny", {"decode_per_row": True, "exact_positions": False}),
-            "qwen3.5_mm_untied": ("qwen3.5_mm_untied", {})}
+            "qwen3.5_mm_untied": ("qwen3.5_mm_untied", {}),
+            # Mixtures of experts at the full budget (test_invariance_moe.py runs them by default)
+            "qwen3-moe_per_expert": ("qwen3-moe_per_expert", {}), "qwen3.5-moe": ("qwen3.5-moe", {})}
 
 
-@pytest.fixture(scope="module", params=variant_params(VARIANTS, {"qwen3.5_mm_untied"}))
+@pytest.fixture(scope="module", params=variant_params(VARIANTS, {"qwen3.5_mm_untied", "qwen3-moe_per_expert",
+                                                               "qwen3.5-moe"}))
 def engines(request, checkpoint_dir):
     variant, options = VARIANTS[request.param]
     engines = Engines(checkpoint_dir(variant), max_seq_len=MAX_SEQ_LEN, **options)

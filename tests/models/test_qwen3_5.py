@@ -1,14 +1,14 @@
 """Qwen3.5 hybrids (Gated DeltaNet + gated attention) against Hugging Face transformers, on
-random-weight checkpoints of both layouts (text-only and the multimodal wrapper)."""
+random-weight checkpoints of both layouts (text-only and the multimodal wrapper); the parity tests
+also on the mixture-of-experts variants (Qwen3-MoE and Qwen3.5-MoE, fused and per-expert experts)."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
 import torch
-from helpers import QWEN3_5_VARIANTS
+from helpers import MOE_VARIANTS, QWEN3_5_VARIANTS, hf_model, prompt_of
 
 from pocketllm import LLM, EngineArgs, SamplingParams
 from pocketllm.models import ForwardBatch
@@ -16,24 +16,11 @@ from pocketllm.models import ForwardBatch
 PROMPT_LENGTHS = [1, 5, 64, 70]
 
 
-def hf_model(path):
-    from transformers import AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
-
-    multimodal = "text_config" in json.loads((path / "config.json").read_text())
-    cls = Qwen3_5ForConditionalGeneration if multimodal else AutoModelForCausalLM
-    model = cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
-    model.generation_config.eos_token_id = None
-    return model.eval()
-
-
-@pytest.fixture(scope="module", params=sorted(QWEN3_5_VARIANTS))
+# The parity tests below run on the mixture-of-experts variants too (tests/models/test_moe_families.py: the rest).
+@pytest.fixture(scope="module", params=sorted(QWEN3_5_VARIANTS) + sorted(MOE_VARIANTS))
 def pair(request, checkpoint_dir):
     path = checkpoint_dir(request.param)
     return path, hf_model(path), LLM(EngineArgs(model=str(path), max_seq_len=160))
-
-
-def prompt_of(length: int, vocab: int = 256) -> list[int]:
-    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(length)).tolist()
 
 
 @pytest.mark.parametrize("length", PROMPT_LENGTHS)

@@ -140,6 +140,8 @@ def test_sizes_that_do_not_fit_are_refused_before_any_worker_starts(checkpoint_d
         LLM(EngineArgs(model=path, tensor_parallel_size=8))
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide num_attention_heads=4"):
         LLM(EngineArgs(model=path, tensor_parallel_size=3, backend_options={"tree_reduction": False}))
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: mixture-of-experts models run on one process"):
+        LLM(EngineArgs(model=checkpoint_dir("qwen3-moe"), tensor_parallel_size=2))
     assert set(_workers()) - before == set()
 
 
@@ -293,3 +295,16 @@ def test_the_probe_checks_that_a_ranks_block_of_columns_keeps_its_bits():
     assert probe(column_count_dependent, columns=False).ok
     report = probe(column_count_dependent, columns=True)
     assert not report.ok and "a block of 48 output columns differs" in " ".join(report.failures)
+
+
+@pytest.mark.slow  # the Triton interpreter in two processes
+@pytest.mark.parametrize("variant", ["tiny", "qwen3.5"])
+def test_triton_tp2_batched_equals_triton_tp1_serial(checkpoint_dir, variant):
+    """The triton backend's kernels at TP=2 (each rank interpreting its own): TP=1 serial bits."""
+    engines = Engines(checkpoint_dir(variant), max_seq_len=MAX_SEQ_LEN, engine_args={"backend": "triton"},
+                      batched_args=TP2)
+    try:
+        schedule = Schedule(chunk_size=64, snapshot_interval=64, budget_slack=0, prefix_reuse=True)
+        assert mismatches(engines, _fixed_jobs(3), 2, schedule) == []
+    finally:
+        engines.close()

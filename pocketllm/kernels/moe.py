@@ -1,0 +1,366 @@
+"""Mixture of experts: each token through the SwiGLU of its top-k experts, the contributions
+weighted and summed (Qwen3-MoE, Qwen3.5-MoE).
+
+    moe(x [T, H], topk_ids [T, K] int64, topk_weights [T, K] fp32,
+        w_gate_up [E, 2I, H] (gate rows first, then up), w_down [E, H, I]) -> [T, H]
+
+`route` turns router logits into (topk_ids, topk_weights): softmax over the experts in fp32, the
+K largest probabilities with ties broken by the lower expert index (a stable sort on
+(-probability, index)), optionally renormalised to sum to one (`norm_topk_prob`). Rank k = 0 is
+the most probable expert.
+
+What a token's output is, whatever else is in the call (every implementation): its rank-k
+contribution is y_k = down_e(silu(gate_e(x)) * up_e(x)) with e = topk_ids[t, k], the products and
+the activation rounded to x's dtype as a dense SwiGLU's are; out = sum over k = 0, 1, ..., K - 1 IN
+RANK ORDER of y_k * topk_weights[t, k], in fp32 starting from the k = 0 term, rounded once to x's
+dtype. The order is the token's own (its ranking), never the order in which tokens happen to be
+grouped by expert, so a token's bits depend only on that token.
+
+- `moe_ref`: the reference: tokens grouped by expert, one plain F.linear per expert.
+- `moe_row_invariant` (the torch backend): the same grouping, each expert's product in the dense
+  linear's fixed DECODE_ROW_TILE-row GEMM calls (`linear.linear_row_invariant`), for decode and
+  prefill rows alike, so a row's bits depend on the row, never on how many rows chose its expert.
+- `moe_fixed_order` (the torch backend with exact positions, where the C++ kernels build): each
+  expert's product by the fixed-order C++ kernel of `linear.linear_fixed_order`.
+- `moe_triton`: a grouped GEMM, as vLLM's and SGLang's fused MoE, made invariant: (token, rank)
+  pairs sorted by expert (stable), each expert's pairs padded to whole BLOCK_M row blocks; one
+  kernel computes gate and up of a block (fixed tiles, K in fixed BLOCK_K steps, no split-K) and
+  the SiLU-and-mul, one the down product into the pair's own row (no atomics), one sums each
+  token's K rows in rank order. A pair's row never mixes with the other rows of its block.
+"""
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from ._cases import randn
+from ._triton import kernel_device_ok, launch_device_type, tl, triton
+from .linear import TILES, linear_fixed_order, linear_row_invariant
+from .pointwise import elementwise_invariant
+from .silu_and_mul import silu_and_mul_ref
+from .spec import Call, Cost, Layout, OpSpec, Step, size
+
+
+class Moe(Protocol):
+    """x [T, H], topk_ids [T, K] (int64), topk_weights [T, K] (fp32), w_gate_up [E, 2I, H],
+    w_down [E, H, I] -> [T, H] in x's dtype; contributions summed in rank order."""
+
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor: ...
+
+
+def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (topk_ids [T, K] int64, topk_weights [T, K] fp32), rank 0 first.
+
+    Softmax in fp32 (exp per element by one code path, the row sum in a fixed column order), the
+    top K by a stable descending sort, so equal probabilities rank by the lower expert index; with
+    `normalize`, the K weights divided by their sum (added in rank order). Every step is per row,
+    so a token's routing depends only on its own logits."""
+    logits = router_logits.float()
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    exp = elementwise_invariant(torch.exp, shifted)
+    total = exp[:, :1].clone()
+    for j in range(1, exp.shape[1]):
+        total = total + exp[:, j:j + 1]
+    probs = exp / total
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
+    if normalize:
+        weights = weights / _sum_columns(weights)
+    return ids, weights
+
+
+def _sum_columns(values: torch.Tensor) -> torch.Tensor:
+    """[T, K] -> [T, 1]: the K columns added left to right."""
+    total = values[:, :1].clone()
+    for k in range(1, values.shape[1]):
+        total = total + values[:, k:k + 1]
+    return total
+
+
+def combine(contributions: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, K, H] expert outputs and [T, K] weights -> [T, H]: sum over k = 0..K-1 in rank order of
+    y_k * w_k, in fp32 from the k = 0 term, rounded once to `dtype`."""
+    weights = topk_weights.float()
+    acc = contributions[:, 0].float() * weights[:, :1]
+    for k in range(1, contributions.shape[1]):
+        acc = acc + contributions[:, k].float() * weights[:, k:k + 1]
+    return acc.to(dtype)
+
+
+Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # rows [M, K] x W [N, K] -> [M, N]
+
+
+def experts_by_group(x: torch.Tensor, topk_ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                     product: Product) -> torch.Tensor:
+    """[T, K, H]: each (token, rank) pair's expert output, the pairs grouped by expert and each
+    expert's rows multiplied by `product` (which must give a row the same bits in any group)."""
+    tokens, top_k = topk_ids.shape
+    out = x.new_zeros(tokens * top_k, x.shape[1])
+    if tokens == 0:
+        return out.view(tokens, top_k, x.shape[1])
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        hidden = silu_and_mul_ref(product(x.index_select(0, pairs // top_k), w_gate_up[expert]))
+        out[pairs] = product(hidden, w_down[expert])
+    return out.view(tokens, top_k, x.shape[1])
+
+
+def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+           w_down: torch.Tensor) -> None:
+    experts, inter2, hidden = w_gate_up.shape
+    if (x.dim() != 2 or x.shape[1] != hidden or inter2 % 2 or tuple(w_down.shape) != (experts, hidden, inter2 // 2)
+            or topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]):
+        raise ValueError(f"moe takes x [T, H], topk_ids and topk_weights [T, K], w_gate_up [E, 2I, H], "
+                         f"w_down [E, H, I]; got {tuple(x.shape)}, {tuple(topk_ids.shape)}, "
+                         f"{tuple(topk_weights.shape)}, {tuple(w_gate_up.shape)}, {tuple(w_down.shape)}")
+
+
+def moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+            w_down: torch.Tensor) -> torch.Tensor:
+    """The reference: tokens grouped by expert, F.linear per expert, summed in rank order."""
+    _check(x, topk_ids, topk_weights, w_gate_up, w_down)
+    return combine(experts_by_group(x, topk_ids, w_gate_up, w_down, F.linear), topk_weights, x.dtype)
+
+
+def moe_row_invariant(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+                      w_down: torch.Tensor) -> torch.Tensor:
+    """The reference's arithmetic with each expert's rows in fixed-shape GEMM calls (the dense
+    linear's DECODE_ROW_TILE-row tiles): a row's bits never depend on how many rows share its expert."""
+    _check(x, topk_ids, topk_weights, w_gate_up, w_down)
+    return combine(experts_by_group(x, topk_ids, w_gate_up, w_down, linear_row_invariant), topk_weights, x.dtype)
+
+
+def moe_fixed_order(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+                    w_down: torch.Tensor) -> torch.Tensor:
+    """Each expert's product by the C++ fixed-order kernel (RuntimeError where it cannot be built)."""
+    _check(x, topk_ids, topk_weights, w_gate_up, w_down)
+    return combine(experts_by_group(x, topk_ids, w_gate_up, w_down, linear_fixed_order), topk_weights, x.dtype)
+
+
+# -- Triton ------------------------------------------------------------------------------------------
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair_ids [B * block_m], block_expert [B]): the (token, rank) pairs t * K + k sorted by expert
+    (stable: pair order within an expert), each expert's run padded to whole blocks with the
+    sentinel T * K; block b computes expert block_expert[b], -1 for the blocks past the last. B is a
+    bound known without reading the ids (no device sync): ceil(T * K / block_m) + min(E, T * K)."""
+    flat = topk_ids.reshape(-1)
+    pairs = flat.numel()
+    device = flat.device
+    max_blocks = triton.cdiv(pairs, block_m) + min(num_experts, pairs)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    blocks = (counts + block_m - 1) // block_m
+    block_end = torch.cumsum(blocks, 0)
+    count_start = torch.cumsum(counts, 0) - counts
+    sorted_experts = flat[order]
+    position = (block_end - blocks)[sorted_experts] * block_m + torch.arange(pairs, device=device) \
+        - count_start[sorted_experts]
+    pair_ids = torch.full((max_blocks * block_m,), pairs, dtype=torch.int64, device=device)
+    pair_ids[position] = order
+    block_expert = torch.searchsorted(block_end, torch.arange(max_blocks, device=device), right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
+    return pair_ids, block_expert
+
+
+@triton.jit
+def _block_tile(pair_ids_ptr, num_pairs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A program's tile: its block's padded rows, their pairs (the sentinel num_pairs past an
+    expert's last), which rows are real, its output columns and the K offsets of one step."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_ids_ptr + offs)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs, pair, pair < num_pairs, cols, tl.arange(0, BLOCK_K)
+
+
+@triton.jit
+def _tile_dot(acc, a, b, HOST_DOT: tl.constexpr):
+    """acc + a @ b in fp32: IEEE tl.dot compiled; under the interpreter an explicit product and sum,
+    the same per-element order for every row (see linear.py: numpy's matmul is the host BLAS)."""
+    if HOST_DOT:
+        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    else:
+        return tl.dot(a, b, acc, input_precision="ieee")
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_gate_up_kernel(x_ptr, w_ptr, h_ptr, pair_ids_ptr, block_expert_ptr, num_pairs, top_k, hidden, inter,
+                        stride_xm, stride_we, stride_wn, stride_hm,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        HOST_DOT: tl.constexpr):
+    """Program (b, j): rows of block b (one expert's pairs), columns [j * BLOCK_N, ...) of I:
+    gate and up over H in BLOCK_K steps, then silu(gate) * up, rounded as the reference rounds."""
+    expert = tl.load(block_expert_ptr + tl.program_id(0))
+    if expert >= 0:
+        offs, pair, row_ok, cols, ks = _block_tile(pair_ids_ptr, num_pairs, BLOCK_M, BLOCK_N, BLOCK_K)
+        col_ok = cols < inter
+        token = tl.where(row_ok, pair // top_k, 0)
+        x_ptrs = x_ptr + token[:, None] * stride_xm + ks[None, :]
+        g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None]
+        u_ptrs = g_ptrs + inter * stride_wn
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k_ok = (k0 + ks) < hidden
+            a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_mask = k_ok[:, None] & col_ok[None, :]
+            acc_g = _tile_dot(acc_g, a, tl.load(g_ptrs, mask=w_mask, other=0.0), HOST_DOT)
+            acc_u = _tile_dot(acc_u, a, tl.load(u_ptrs, mask=w_mask, other=0.0), HOST_DOT)
+            x_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        dtype = h_ptr.dtype.element_ty
+        gate = acc_g.to(dtype).to(tl.float32)
+        up = acc_u.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        tl.store(h_ptr + offs[:, None] * stride_hm + cols[None, :], (silu * up).to(dtype),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_down_kernel(h_ptr, w_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, num_pairs, hidden, inter,
+                     stride_hm, stride_we, stride_wn, stride_ym,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HOST_DOT: tl.constexpr):
+    """Program (b, j): the down product of block b's rows, columns [j * BLOCK_N, ...) of H, over I
+    in BLOCK_K steps, stored in each pair's own row of y."""
+    expert = tl.load(block_expert_ptr + tl.program_id(0))
+    if expert >= 0:
+        offs, pair, row_ok, cols, ks = _block_tile(pair_ids_ptr, num_pairs, BLOCK_M, BLOCK_N, BLOCK_K)
+        col_ok = cols < hidden
+        a_ptrs = h_ptr + offs[:, None] * stride_hm + ks[None, :]
+        b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k_ok = (k0 + ks) < inter
+            acc = _tile_dot(acc, tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0),
+                            tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0), HOST_DOT)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        rows = tl.where(row_ok, pair, 0)
+        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _moe_combine_kernel(y_ptr, w_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (t, j): out[t, cols] = sum over k = 0..TOP_K-1, in rank order, of y[t * K + k] * w[t, k]."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < hidden
+    weight = tl.load(w_ptr + token * TOP_K)
+    acc = tl.load(y_ptr + token * TOP_K * hidden + cols, mask=ok, other=0.0).to(tl.float32) * weight
+    for k in tl.static_range(1, TOP_K):
+        weight = tl.load(w_ptr + token * TOP_K + k)
+        acc += tl.load(y_ptr + (token * TOP_K + k) * hidden + cols, mask=ok, other=0.0).to(tl.float32) * weight
+    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+COMBINE_BLOCK = 1024
+
+
+def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+               w_down: torch.Tensor) -> torch.Tensor:
+    """[T, H] in x's dtype: the grouped GEMM (see the module docstring), tile sizes constants per
+    device kind (`linear.TILES`), never derived from T or from how many pairs an expert got."""
+    kernel_device_ok(x)
+    _check(x, topk_ids, topk_weights, w_gate_up, w_down)
+    tokens, hidden = x.shape
+    experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    out = torch.empty_like(x)
+    if tokens == 0:
+        return out
+    x = x.contiguous()
+    w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
+    device_type = launch_device_type(x)
+    block_m, block_n, block_k = TILES[device_type]
+    host_dot = device_type == "cpu"
+    pair_ids, block_expert = align_pairs(topk_ids.to(torch.int64), experts, block_m)
+    num_blocks, pairs = block_expert.numel(), tokens * top_k
+    h = torch.empty((num_blocks * block_m, inter), dtype=x.dtype, device=x.device)
+    _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+        x, w_gate_up, h, pair_ids, block_expert, pairs, top_k, hidden, inter,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HOST_DOT=host_dot)
+    y = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
+    _moe_down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+        h, w_down, y, pair_ids, block_expert, pairs, hidden, inter,
+        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HOST_DOT=host_dot)
+    weights = topk_weights.float().contiguous()
+    _moe_combine_kernel[(tokens, triton.cdiv(hidden, COMBINE_BLOCK))](y, weights, out, hidden, TOP_K=top_k,
+                                                                      BLOCK=COMBINE_BLOCK)
+    return out
+
+
+# -- declaration -------------------------------------------------------------------------------------
+
+# The lab's launch shapes: the step's hidden size through a layer of 64 experts of width 512, top 8
+# (a real MoE layer's routing fan-out at a size whose weights the lab can allocate).
+LAUNCH_EXPERTS, LAUNCH_TOP_K, LAUNCH_INTER = 64, 8, 512
+
+
+def _launches(step: Step) -> list[Call]:
+    hidden, tokens = step.cfg.hidden_size, step.tokens
+
+    def args() -> tuple[Any, ...]:
+        # Pair p = t * K + k picks expert 7p mod E: K distinct experts per token, spread evenly.
+        ids = torch.arange(tokens * LAUNCH_TOP_K, device=step.device).reshape(tokens, LAUNCH_TOP_K) * 7 % LAUNCH_EXPERTS
+        weights = torch.full((tokens, LAUNCH_TOP_K), 1.0 / LAUNCH_TOP_K, device=step.device)
+        return (step.tensor(tokens, hidden), ids, weights, step.tensor(LAUNCH_EXPERTS, 2 * LAUNCH_INTER, hidden),
+                step.tensor(LAUNCH_EXPERTS, hidden, LAUNCH_INTER))
+
+    return [Call(f"{step.name}: experts", args)]
+
+
+def _cost(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+          w_down: torch.Tensor) -> Cost:
+    """Reads x, the routing and the weights of the experts some token chose; writes [T, H];
+    2 * 3 * H * I FLOPs per (token, rank) pair."""
+    experts, inter2, hidden = w_gate_up.shape
+    chosen = int(torch.unique(topk_ids).numel()) if topk_ids.numel() else 0
+    weights = chosen * (inter2 * hidden + hidden * inter2 // 2) * w_gate_up.element_size()
+    return Cost(size(x, topk_ids, topk_weights) + weights + x.numel() * x.element_size(),
+                2 * topk_ids.numel() * hidden * (inter2 + inter2 // 2))
+
+
+def _tokens(gen: torch.Generator, n: int, dims: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """x, and its routing from random logits; with `ties`, logits of three values only (many
+    equal probabilities, ranked by expert index)."""
+    experts = dims["experts"]
+    logits = (torch.randint(0, 3, (n, experts), generator=gen).float() if dims["ties"]
+              else torch.randn(n, experts, generator=gen))
+    ids, weights = route(logits, dims["top_k"], dims["normalize"])
+    return {"x": randn(gen, n, dims["hidden"], dtype=dtype), "topk_ids": ids, "topk_weights": weights}
+
+
+def _shared(gen: torch.Generator, dims: dict, dtype: torch.dtype) -> dict[str, Any]:
+    experts, hidden, inter = dims["experts"], dims["hidden"], dims["inter"]
+    return {"w_gate_up": randn(gen, experts, 2 * inter, hidden, dtype=dtype, scale=hidden ** -0.5),
+            "w_down": randn(gen, experts, hidden, inter, dtype=dtype, scale=inter ** -0.5)}
+
+
+# Expert counts 1..16, top-k 1..8 (k = E: every expert chosen), odd widths; rows alone, in groups
+# and nine single rows (tokens sharing an expert; with 16 experts and top 1, experts no token chose).
+_MEMBERS = [[(1, 0)], [(1, 0), (3, 0), (2, 0)], [(1, 0)] * 9]
+CASES = Layout(_tokens, None, _shared, [
+    ({"experts": e, "top_k": k, "hidden": h, "inter": i, "normalize": norm, "ties": ties}, members)
+    for e, k, h, i, norm, ties in ((1, 1, 24, 16, False, False), (8, 2, 40, 24, True, False),
+                                   (16, 1, 33, 17, False, True), (6, 6, 24, 40, True, True),
+                                   (12, 8, 20, 12, False, False))
+    for members in _MEMBERS])
+
+OP = OpSpec("moe", Moe, {"ref": moe_ref, "row_invariant": moe_row_invariant, "fixed_order": moe_fixed_order,
+                         "triton": moe_triton},
+            order=55, cases=CASES, launches=_launches, cost=_cost)

@@ -1,0 +1,55 @@
+"""Qwen3-MoE decoder (Hugging Face `Qwen3MoeForCausalLM`, transformers `qwen3_moe`).
+
+Qwen3's attention blocks; each layer's MLP is the mixture of experts (`moe.SparseMoe`: a softmax
+router over `num_experts`, the top `num_experts_per_tok`, renormalised when `norm_topk_prob`), except
+the layers in `mlp_only_layers` and those off the `decoder_sparse_step` grid, which keep the dense
+SwiGLU of width `intermediate_size`. No shared expert. Experts load in the fused or the per-expert
+layout (see `moe.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import ConfigDefaults, ModelConfig
+from . import qwen3
+from .family import Family, Matrices, default_init
+from .layers import Attention, FeedForward, Shapes, SwiGLU, Weights
+from .moe import SparseMoe, checkpoint_layout, layer_index, moe_init, sparse_mlp_shapes
+
+
+def expected_weights(cfg: ModelConfig) -> Shapes:
+    """Checkpoint tensor names and shapes, as transformers 5 writes them (fused experts)."""
+    return sparse_mlp_shapes(cfg, qwen3.expected_weights(cfg), "model.")
+
+
+class Qwen3MoeModel(qwen3.Qwen3Model):
+    """Qwen3 with a mixture of experts in every sparse layer."""
+
+    def build_mlp(self, weights: Weights, prefix: str) -> FeedForward:
+        if self.cfg.sparse_layer(layer_index(prefix)):
+            return SparseMoe(self.cfg, weights, prefix + "mlp.")
+        return SwiGLU(weights, prefix + "mlp.")
+
+
+def matrices(cfg: ModelConfig) -> Matrices:
+    dense = any(not cfg.sparse_layer(i) for i in range(cfg.num_hidden_layers))
+    return Attention.matrices(cfg) + (SwiGLU.matrices(cfg) if dense else []) + SparseMoe.matrices(cfg)
+
+
+_BASE: dict[str, Any] = {**qwen3.PRESETS["tiny"], "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                         "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # 8 experts, top 2; layer 1 dense (mlp_only_layers): tests and the demo.
+    "qwen3-moe-tiny": {**_BASE, "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+                       "moe_intermediate_size": 32, "mlp_only_layers": [1]},
+    # The `small` preset's attention, 16 experts of width 256, top 4: CPU benchmarks.
+    "qwen3-moe-small": {**qwen3.PRESETS["small"], "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                        "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256},
+}
+
+FAMILY = Family("qwen3-moe", ("Qwen3MoeForCausalLM",), Qwen3MoeModel, expected_weights, qwen3.skip_weight, matrices,
+                PRESETS, defaults=ConfigDefaults(moe=True), init_weight=moe_init(default_init),
+                checkpoint_layout=checkpoint_layout)

@@ -1,0 +1,165 @@
+"""moe (pocketllm/kernels/moe.py): route (softmax, top-k with ties by the lower expert index) and
+the experts' SwiGLU contributions summed in rank order.
+
+- `route` against its definition: equal probabilities rank by expert index, transformers' top-k and
+  renormalisation on tie-free logits, every row's routing independent of the others;
+- the reference against a float64 oracle from the definition (experts no token chose, tokens all on
+  one expert, every expert chosen), and its sum bitwise in rank order, not in expert order;
+- the implementation under test (by default the Triton grouped GEMM) and the torch backend's
+  implementations against the reference on odd shapes (fp32 and fp16), and row / batch invariance:
+  every prefix of the rows and every permutation of them give each row the same bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_cases import DTYPES
+from kernel_cases import randn_on as _randn
+from kernel_impls import DEVICE, implementation
+from kernel_tolerances import assert_close
+
+from pocketllm.kernels.cpu.extension import load_extension
+from pocketllm.kernels.moe import combine, moe_fixed_order, moe_ref, moe_row_invariant, route
+
+moe_impl = implementation("moe")
+TORCH_IMPLS = [moe_row_invariant] + ([moe_fixed_order] if load_extension() is not None else [])
+
+
+def weights(experts: int, hidden: int, inter: int, seed: int, dtype=torch.float32, device: str = DEVICE):
+    return (_randn(experts, 2 * inter, hidden, seed=seed, dtype=dtype, device=device, scale=hidden ** -0.5),
+            _randn(experts, hidden, inter, seed=seed + 1, dtype=dtype, device=device, scale=inter ** -0.5))
+
+
+def oracle(x, ids, w, w_gate_up, w_down) -> torch.Tensor:
+    """The definition, token by token in float64."""
+    inter = w_down.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            gate_up = w_gate_up[ids[t, k]].double().cpu() @ x[t].double().cpu()
+            hidden = F.silu(gate_up[:inter]) * gate_up[inter:]
+            out[t] += float(w[t, k]) * (w_down[ids[t, k]].double().cpu() @ hidden)
+    return out
+
+
+# -- routing --------------------------------------------------------------------------------------
+
+
+def test_route_breaks_ties_by_the_lower_expert_index():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0], [2.0, 2.0, 2.0, 2.0, 2.0], [0.0, 1.0, 0.0, 1.0, 5.0]])
+    ids, w = route(logits, 3, normalize=False)
+    assert ids.tolist() == [[1, 2, 4], [0, 1, 2], [4, 1, 3]]
+    assert torch.equal(w[0], w[0, :1].expand(3)) and w.dtype == torch.float32
+    assert torch.allclose(w[1], torch.full((3,), 0.2))
+
+
+def test_route_matches_transformers_on_tie_free_logits():
+    """Softmax in fp32, top-k, and (norm_topk_prob) division by the top-k sum, as transformers'
+    Qwen3MoeTopKRouter computes them."""
+    logits = torch.randn(37, 12, generator=torch.Generator().manual_seed(0))
+    for normalize in (False, True):
+        ids, w = route(logits, 4, normalize)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, top_ids = torch.topk(probs, 4, dim=-1)
+        if normalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        assert torch.equal(ids, top_ids)
+        torch.testing.assert_close(w, top, atol=1e-7, rtol=1e-6)
+
+
+def test_route_is_row_invariant():
+    logits = torch.randn(70, 16, generator=torch.Generator().manual_seed(1))
+    ids, w = route(logits, 8, True)
+    for rows in (1, 3, 17, 69):
+        sub_ids, sub_w = route(logits[:rows], 8, True)
+        assert torch.equal(sub_ids, ids[:rows]) and torch.equal(sub_w, w[:rows])
+    perm = torch.randperm(70, generator=torch.Generator().manual_seed(2))
+    p_ids, p_w = route(logits[perm], 8, True)
+    assert torch.equal(p_ids, ids[perm]) and torch.equal(p_w, w[perm])
+
+
+# -- the reference against its definition ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("experts,top_k,ids", [
+    (8, 2, None),  # random routing: several experts with no token
+    (4, 1, [[2]] * 6),  # every token on one expert, the others empty
+    (5, 5, None),  # every expert chosen by every token
+])
+def test_reference_matches_the_definition(experts, top_k, ids):
+    tokens, hidden, inter = 6, 24, 20
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(3))
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(4))
+    topk_ids, topk_w = route(logits, top_k, True)
+    if ids is not None:
+        topk_ids = torch.tensor(ids)
+    w_gate_up, w_down = weights(experts, hidden, inter, seed=5, device="cpu")
+    out = moe_ref(x, topk_ids, topk_w, w_gate_up, w_down)
+    torch.testing.assert_close(out.double(), oracle(x, topk_ids, topk_w, w_gate_up, w_down), atol=1e-5, rtol=1e-5)
+
+
+def test_contributions_are_summed_in_rank_order():
+    """y_0 w_0 + y_1 w_1 + y_2 w_2 left to right in fp32: values where the order shows (1 + 2^-24
+    is lost added to 1 first, kept added to its twin first)."""
+    tiny = 2.0 ** -24
+    y = torch.tensor([[[1.0], [tiny], [tiny]]])
+    w = torch.ones(1, 3)
+    assert combine(y, w, torch.float32).item() == 1.0  # (1 + tiny) + tiny: each tiny rounds away
+    assert combine(y.flip(1), w, torch.float32).item() == 1.0 + 2 * tiny  # (tiny + tiny) + 1
+
+
+# -- implementations against the reference, invariance --------------------------------------------
+
+
+def _case(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype, seed: int, ties: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randint(0, 2, (tokens, experts), generator=gen).float() if ties
+              else torch.randn(tokens, experts, generator=gen))
+    ids, w = route(logits, top_k, normalize=seed % 2 == 0)
+    x = _randn(tokens, hidden, seed=seed, dtype=dtype)
+    return (x, ids.to(x.device), w.to(x.device), *weights(experts, hidden, inter, seed + 1, dtype))
+
+
+SHAPES = [(1, 4, 1, 24, 16), (11, 8, 2, 40, 24), (19, 16, 8, 33, 17), (5, 3, 3, 20, 12)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", SHAPES)
+def test_kernel_matches_reference(tokens, experts, top_k, hidden, inter, dtype):
+    args = _case(tokens, experts, top_k, hidden, inter, dtype, seed=tokens + experts)
+    out = moe_impl(*args)
+    assert out.shape == (tokens, hidden) and out.dtype == dtype
+    assert_close(out, moe_ref(*(a.cpu() for a in args)))
+
+
+@pytest.mark.parametrize("impl", TORCH_IMPLS, ids=lambda f: f.__name__)
+def test_torch_backend_implementations_match_reference(impl):
+    args = _case(23, 8, 2, 40, 24, torch.float32, seed=7, ties=True)
+    assert_close(impl(*(a.cpu() for a in args)), moe_ref(*(a.cpu() for a in args)))
+
+
+@pytest.mark.parametrize("impl", [moe_impl] + TORCH_IMPLS, ids=lambda f: getattr(f, "__name__", "under_test"))
+def test_rows_are_invariant_to_their_batch(impl):
+    """A row's bits are the same in any prefix of the batch and in any order of its rows: how many
+    rows chose its experts, and in which order they were grouped, never shows."""
+    device = DEVICE if impl is moe_impl else "cpu"
+    x, ids, w, w_gate_up, w_down = (a.to(device) for a in _case(21, 6, 3, 24, 20, torch.float32, seed=9, ties=True))
+    full = impl(x, ids, w, w_gate_up, w_down)
+    for rows in (1, 2, 7, 20):
+        assert torch.equal(impl(x[:rows], ids[:rows], w[:rows], w_gate_up, w_down), full[:rows]), rows
+    perm = torch.randperm(21, generator=torch.Generator().manual_seed(10)).to(device)
+    assert torch.equal(impl(x[perm], ids[perm], w[perm], w_gate_up, w_down), full[perm])
+    assert impl(x[:0], ids[:0], w[:0], w_gate_up, w_down).shape == (0, 24)
+
+
+@pytest.mark.gpu
+def test_gpu_moe_bf16():
+    """bf16 at a real MoE layer's width (hidden 2048, 64 experts of 768, top 8): within tolerance
+    of the reference and row invariant."""
+    x, ids, w, w_gate_up, w_down = _case(300, 64, 8, 2048, 768, torch.bfloat16, seed=11)
+    full = moe_impl(x, ids, w, w_gate_up, w_down)
+    assert_close(full, moe_ref(x, ids, w, w_gate_up, w_down))
+    for rows in (1, 7, 64):
+        assert torch.equal(moe_impl(x[:rows], ids[:rows], w[:rows], w_gate_up, w_down), full[:rows])

@@ -1,0 +1,123 @@
+"""Mixtures of experts (Qwen3-MoE, Qwen3.5-MoE): against Hugging Face transformers on the triton
+backend (interpreted, slow; the torch backend's parity tests are tests/models/test_qwen3_5.py's, run
+on MOE_VARIANTS too: both families, both expert layouts), the loader's two expert layouts, and the
+config's MoE fields."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import hf_model, prompt_of
+
+from pocketllm import LLM, EngineArgs, SamplingParams, write_checkpoint
+from pocketllm.config import CheckpointError, ModelConfig
+from pocketllm.models import ForwardBatch
+
+transformers = pytest.importorskip("transformers")
+
+ATOL = 1e-4  # the parity tolerance of tests/models/test_hf_parity.py
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["qwen3-moe", "qwen3.5-moe_mm_per_expert"])  # both families and layouts
+def test_triton_backend_matches_transformers(checkpoint_dir, variant):
+    """The triton backend (the grouped-GEMM moe kernel among the others; interpreted here): greedy
+    tokens equal transformers', last-token logits within the tolerance."""
+    path = checkpoint_dir(variant)
+    hf = hf_model(path)
+    llm = LLM(EngineArgs(model=str(path), backend="triton", max_seq_len=64))
+    prompt = prompt_of(9)
+    with torch.no_grad():
+        reference = hf(input_ids=torch.tensor([prompt])).logits[0, -1]
+    slot = llm.slots.allocate()
+    try:
+        logits = llm.model.forward(ForwardBatch.build([slot], [0], [prompt], False, "cpu"), llm.cache)[0]
+    finally:
+        llm.slots.free(slot, [])
+    torch.testing.assert_close(logits, reference, atol=ATOL, rtol=ATOL)
+    result = llm.generate(prompt_tokens=prompt, sampling_params=SamplingParams(max_tokens=6, temperature=0.0,
+                                                                               ignore_eos=True))
+    with torch.no_grad():
+        expected = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6,
+                               do_sample=False)[0, len(prompt):].tolist()
+    assert result.token_ids == expected
+
+
+# -- checkpoint layouts --------------------------------------------------------------------------------
+
+
+def test_per_expert_and_fused_layouts_load_to_the_same_bits(tmp_path):
+    """The same weights written fused and per expert give bitwise the same logits."""
+    from safetensors.torch import load_file, save_file
+
+    from pocketllm.models.moe import split_experts
+
+    fused = write_checkpoint(tmp_path / "fused", "qwen3-moe-tiny", seed=3)
+    split = write_checkpoint(tmp_path / "split", "qwen3-moe-tiny", seed=3)
+    save_file(split_experts(load_file(str(split / "model.safetensors"))), str(split / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in load_file(str(split / "model.safetensors"))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    a, b = (LLM(EngineArgs(model=str(p), max_seq_len=64)).generate(prompt_tokens=prompt_of(20), sampling_params=params)
+            for p in (fused, split))
+    assert (a.token_ids, a.logprobs, a.top_logprobs) == (b.token_ids, b.logprobs, b.top_logprobs)
+
+
+def test_a_missing_expert_names_the_tensor(tmp_path):
+    """A per-expert checkpoint without one expert's matrix is refused, naming it."""
+    from safetensors.torch import load_file, save_file
+
+    from pocketllm.models.moe import split_experts
+
+    path = write_checkpoint(tmp_path / "ckpt", "qwen3-moe-tiny", seed=3)
+    tensors = split_experts(load_file(str(path / "model.safetensors")))
+    del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight'"):
+        LLM(EngineArgs(model=str(path), max_seq_len=64))
+
+
+# -- config ---------------------------------------------------------------------------------------------
+
+
+def _raw(preset: str, **fields) -> dict:
+    from pocketllm.models import PRESETS
+
+    return {**PRESETS[preset], **fields}
+
+
+def test_moe_fields_are_parsed_and_sparse_layers_follow_transformers():
+    cfg = ModelConfig.from_dict(_raw("qwen3-moe-tiny", num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3]))
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (8, 2, 32, True)
+    assert [cfg.sparse_layer(i) for i in range(6)] == [False, True, False, False, False, True]
+    hybrid = ModelConfig.from_dict(_raw("qwen3.5-moe-tiny", decoder_sparse_step=2, mlp_only_layers=[0]))
+    assert hybrid.norm_topk_prob and hybrid.shared_expert_intermediate_size == 64 and hybrid.intermediate_size == 0
+    assert all(hybrid.sparse_layer(i) for i in range(hybrid.num_hidden_layers))  # no dense layers in Qwen3.5-MoE
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"num_experts_per_tok": 9}, "'num_experts_per_tok' must be at most num_experts=8"),
+    ({"num_experts": 0}, "'num_experts' must be an integer >= 1"),
+    ({"moe_intermediate_size": None}, "missing required field 'moe_intermediate_size'"),
+    ({"mlp_only_layers": [3]}, r"'mlp_only_layers' must list layer indices in \[0, 3\)"),
+    ({"norm_topk_prob": "yes"}, "'norm_topk_prob' must be a JSON boolean"),
+])
+def test_bad_moe_fields_are_refused_naming_the_field(fields, message):
+    with pytest.raises(CheckpointError, match=message):
+        ModelConfig.from_dict(_raw("qwen3-moe-tiny", **fields))
+
+
+def test_qwen3_5_moe_needs_its_shared_expert_width():
+    raw = _raw("qwen3.5-moe-tiny")
+    raw.pop("shared_expert_intermediate_size")
+    with pytest.raises(CheckpointError, match="missing required field 'shared_expert_intermediate_size'"):
+        ModelConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3NextForCausalLM", "Qwen2MoeForCausalLM"])
+def test_an_unknown_architecture_is_named_with_the_supported_ones(architecture):
+    """Refused before any field is read (a MoE config of an unsupported family has no
+    intermediate_size: the error must name the architecture, not that field)."""
+    raw = _raw("qwen3.5-moe-tiny", architectures=[architecture])
+    with pytest.raises(CheckpointError, match=rf"unknown architecture '{architecture}'; supported: .*"
+                                              r"'Qwen3MoeForCausalLM'.*'Qwen3_5MoeForConditionalGeneration'"):
+        ModelConfig.from_dict(raw)
