@@ -121,7 +121,7 @@ class LLM:
         tp = TensorParallel(0, size, tree=args.options.backend.tree_reduction)
         if size > 1:
             check_parallel(self.model_config, size, tp.tree, self.device)
-            self.workers = Workers(args, size, replay)
+            self.workers = Workers(args, size, replay)  # starts loading beside this process
         try:
             self.model = build_model(args.model, self.model_config, ops, args.torch_dtype, self.device,
                                      args.max_seq_len, tp)

@@ -8,9 +8,11 @@ rank builds the same ForwardBatch from it), or one of the slot cache's mutators,
 every rank's cache holds the same slots, prefix copies, snapshots and swaps as rank 0's.
 
 Failure: a worker that raises exits (its traceback on stderr), which closes its connections, so
-rank 0's next collective fails at once instead of hanging; rank 0 then stops the other workers and
-fails every later forward with `WorkerError`. Workers die with rank 0 too: they are daemonic, and a
-collective on a dead rank 0's connections raises.
+rank 0's next collective fails at once instead of hanging. A forward that raises on rank 0 leaves
+the workers inside a collective rank 0 never reaches, so that ends the group too: rank 0 stops
+the workers and fails that forward and every later one with `WorkerError` (the engine must be
+rebuilt). Workers die with rank 0 too: they are daemonic, and a collective on a dead rank 0's
+connections raises.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
+import pickle
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -133,7 +136,13 @@ class Workers:
             spec = WorkerSpec(args, rank, size, self.store.port, replay, torch.get_num_threads())
             process = context.Process(target=_worker_main, args=(spec, sender), daemon=True,
                                       name=f"pocketllm-tp-rank{rank}")
-            process.start()
+            try:
+                process.start()  # pickles the spec for the new interpreter
+            except (pickle.PicklingError, AttributeError, TypeError) as exc:
+                self.stop()
+                raise ValueError(f"tensor_parallel_size={size}: the engine's arguments must reach the worker "
+                                 f"processes, and {exc}; pass op_overrides as registered names or "
+                                 f"'module:function' paths") from None
             sender.close()
             self.processes.append(process)
             self._status.append(receiver)
@@ -175,7 +184,7 @@ class Workers:
                      if not p.is_alive()]
             self.broken = (f"tensor-parallel group failed ({'; '.join(exits) or type(exc).__name__}): {exc}")
             logger.error("%s", self.broken)
-            self._terminate()
+            self._terminate(wait_s=0.0)  # the others wait inside a collective that will not complete
         return WorkerError(self.broken)
 
     def stop(self) -> None:
@@ -183,11 +192,13 @@ class Workers:
         if self.broken is None and self.tp is not None:
             with contextlib.suppress(RuntimeError):  # a worker already gone: terminated below
                 self.tp.broadcast(["stop"])
+        connected = self.tp is not None and self.broken is None
         self.broken = self.broken or "the engine was closed"
-        self._terminate()
+        self._terminate(STOP_TIMEOUT_S if connected else 0.0)  # unconnected workers wait for a group
 
-    def _terminate(self) -> None:
-        deadline = time.monotonic() + STOP_TIMEOUT_S
+    def _terminate(self, wait_s: float) -> None:
+        """Give the workers `wait_s` seconds to exit, then kill the ones left."""
+        deadline = time.monotonic() + wait_s
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
