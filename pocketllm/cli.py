@@ -71,7 +71,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     size = args.tensor_parallel_size
     # Sharded, the batched engine is also checked against a single process: on the fixed-order kernels,
     # whose columns do not depend on how many columns a rank's product holds.
-    options: dict[str, Any] = {"exact_positions": True} if size > 1 else {}
+    options: dict[str, Any] = {"exact_positions": True, "tree_reduction": True} if size > 1 else {}
     if size > 1:
         print(f"batched engine: tensor_parallel_size={size}; serial engine: one process")
     serial_llm = LLM(EngineArgs(**common, backend_options=options))

@@ -25,6 +25,7 @@ from .models.registry import layer_specs
 from .outputs import GenerationResult
 from .parallel.group import TensorParallel
 from .parallel.shard import check_parallel
+from .parallel.tree import tree_enabled
 from .parallel.workers import ParallelCache, Workers
 from .runner import ModelRunner
 from .sampling import SamplingParams
@@ -118,7 +119,7 @@ class LLM:
         ops = self._op_table()
         replay = self._replay_buffers(ops)
         size = args.tensor_parallel_size
-        tp = TensorParallel(0, size, tree=args.options.backend.tree_reduction)
+        tp = TensorParallel(0, size, tree=tree_enabled(args.options.backend.tree_reduction, size))
         if size > 1:
             check_parallel(self.model_config, size, tp.tree, self.device)
             self.workers = Workers(args, size, replay)  # starts loading beside this process

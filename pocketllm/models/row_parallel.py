@@ -2,8 +2,8 @@
 
 o_proj, down_proj and the Gated DeltaNet out_proj read features that tensor parallelism splits
 (heads, intermediate columns), so each rank holds a K slice of the matrix and the ranks' products
-must be summed. With the tree (the default) the slice is cut into its fixed shards and summed as
-`parallel/tree.py` describes, at every size, 1 included; without it, one product per rank and a
+must be summed. With the tree (the default when sharded; an option at size 1) the slice is cut into its fixed
+shards and summed as `parallel/tree.py` describes; without it, one product per rank and a
 plain all-reduce. The bias, held by every rank, is added once after the sum. A matrix whose
 K does not split into the shards is one product (it cannot run on several ranks either).
 """

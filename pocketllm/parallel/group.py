@@ -28,7 +28,7 @@ class TensorParallel:
     per rank and a plain all-reduce, whose order is the library's.
     """
 
-    def __init__(self, rank: int = 0, size: int = 1, tree: bool = True) -> None:
+    def __init__(self, rank: int = 0, size: int = 1, tree: bool = False) -> None:
         self.rank, self.size, self.tree = rank, size, tree
         self._group: Any = None
         self._commands: Any = None

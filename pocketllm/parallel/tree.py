@@ -19,6 +19,11 @@ REDUCTION_SHARDS = 8  # so tensor-parallel sizes 1, 2, 4 and 8 agree bit for bit
 SIZES = tuple(n for n in range(1, REDUCTION_SHARDS + 1) if REDUCTION_SHARDS % n == 0 and n & (n - 1) == 0)
 
 
+def tree_enabled(option: bool | None, size: int) -> bool:
+    """The `tree_reduction` option at `size` ranks: None means on whenever the model is sharded."""
+    return size > 1 if option is None else option
+
+
 def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
     """Sum a power-of-two number of tensors pairwise, level by level, in list order."""
     if not parts or len(parts) & (len(parts) - 1):

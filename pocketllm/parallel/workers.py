@@ -32,6 +32,7 @@ import torch
 from ..cache import LayerCacheSpec, SlotCache, StateSnapshot, SwappedSlot
 from ..models.batch import ForwardBatch
 from .group import TensorParallel, open_store
+from .tree import tree_enabled
 
 if TYPE_CHECKING:
     from ..config import EngineArgs
@@ -75,7 +76,7 @@ def _worker_main(spec: WorkerSpec, status: multiprocessing.connection.Connection
         device = rank_device(torch.device(args.device), spec.rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        tp = TensorParallel(spec.rank, spec.size, tree=options.tree_reduction)
+        tp = TensorParallel(spec.rank, spec.size, tree=tree_enabled(options.tree_reduction, spec.size))
         ops = get_ops(args.backend, options.batch_invariant, options.decode_per_row, args.op_overrides,
                       options.exact_positions)
         cfg = ModelConfig.from_dir(args.model)

@@ -20,7 +20,7 @@ def test_none_and_empty_mean_defaults():
                                     "prefill_chunk_size": 512, "max_waiting": 0, "max_swap_bytes": 0,
                                     "preemption_mode": "swap", "enable_prefix_reuse": True,
                                     "state_snapshot_interval": 512, "batch_invariant": True,
-                                    "invariance_probe": True, "decode_per_row": False, "tree_reduction": True,
+                                    "invariance_probe": True, "decode_per_row": False, "tree_reduction": None,
                                     "exact_positions": None}
 
 

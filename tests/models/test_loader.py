@@ -83,10 +83,11 @@ def test_dtype_is_respected(source_checkpoint, dtype):
     assert llm.model.dtype == torch_dtype
     assert all(t.dtype == torch_dtype for t in llm.cache.k + llm.cache.v)
     attention, mlp = llm.model.blocks[1].mixer, llm.model.blocks[1].mlp
-    for tensor in (attention.qkv, mlp.gate_up, mlp.down, attention.o_proj, attention.q_norm, llm.model.final_norm):
+    down, o_proj = torch.cat(mlp.down.weights(), dim=1), torch.cat(attention.o_proj.weights(), dim=1)
+    for tensor in (attention.qkv, mlp.gate_up, down, o_proj, attention.q_norm, llm.model.final_norm):
         assert tensor.dtype == torch_dtype
     assert torch.equal(llm.model.embed, stored["model.embed_tokens.weight"].to(torch_dtype))
-    assert torch.equal(mlp.down, stored["model.layers.1.mlp.down_proj.weight"].to(torch_dtype))
+    assert torch.equal(down, stored["model.layers.1.mlp.down_proj.weight"].to(torch_dtype))
     weights = load_weights(source_checkpoint, _expected(source_checkpoint), torch_dtype, "cpu")
     assert all(t.dtype == torch_dtype for t in weights.values())
     result = llm.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True, seed=1))

@@ -32,7 +32,7 @@ from pocketllm.parallel.tree import REDUCTION_SHARDS, SIZES, tree_sum
 
 VOCAB = 256
 MAX_SEQ_LEN = 224
-OPTIONS = {"exact_positions": True}
+OPTIONS = {"exact_positions": True, "tree_reduction": True}  # the tree at TP=1 too
 TP2 = {"tensor_parallel_size": 2}
 
 
@@ -185,8 +185,8 @@ def _fixed_jobs(count: int = 4) -> list[Job]:
 def test_without_the_tree_tp2_differs_from_tp1(checkpoint_dir, variant):
     """Negative control: one product per rank and a plain all-reduce (the tree off) changes the
     bits between TP=1 and TP=2, and the comparison above notices."""
-    engines = Engines(checkpoint_dir(variant), max_seq_len=MAX_SEQ_LEN, batched_args=TP2, tree_reduction=False,
-                      **OPTIONS)
+    engines = Engines(checkpoint_dir(variant), max_seq_len=MAX_SEQ_LEN, batched_args=TP2,
+                      **{**OPTIONS, "tree_reduction": False})
     try:
         schedule = Schedule(chunk_size=64, snapshot_interval=64, budget_slack=0, prefix_reuse=True)
         assert mismatches(engines, _fixed_jobs(), 2, schedule) != []
@@ -304,7 +304,7 @@ def test_the_probe_checks_that_a_ranks_block_of_columns_keeps_its_bits():
 def test_triton_tp2_batched_equals_triton_tp1_serial(checkpoint_dir, variant):
     """The triton backend's kernels at TP=2 (each rank interpreting its own): TP=1 serial bits."""
     engines = Engines(checkpoint_dir(variant), max_seq_len=MAX_SEQ_LEN, engine_args={"backend": "triton"},
-                      batched_args=TP2)
+                      batched_args=TP2, tree_reduction=True)
     try:
         schedule = Schedule(chunk_size=64, snapshot_interval=64, budget_slack=0, prefix_reuse=True)
         assert mismatches(engines, _fixed_jobs(3), 2, schedule) == []
