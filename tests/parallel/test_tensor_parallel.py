@@ -104,7 +104,7 @@ def test_each_rank_reads_its_slices_of_the_checkpoint(checkpoint_dir, preset, si
                 assert torch.equal(tensor, whole), name  # norms: replicated
 
 
-@pytest.mark.parametrize("variant", ["tiny", "qwen3.5"])
+@pytest.mark.parametrize("variant", ["tiny", pytest.param("qwen3.5", marks=pytest.mark.slow)])
 @torch.inference_mode()
 def test_tp2_greedy_equals_transformers(checkpoint_dir, variant):
     """At TP=2 (logits gathered from the ranks' vocabulary blocks), greedy tokens equal
