@@ -173,10 +173,10 @@ def test_tp2_preempted_equals_tp1_serial_bitwise(engines, workload):
     assert mismatches(engines, jobs, max_batch_size, schedule) == []
 
 
-def _fixed_jobs(count: int = 4) -> list[Job]:
+def _fixed_jobs(count: int = 4, longest: int = 90, new_tokens: int = 8) -> list[Job]:
     rng = random.Random(5)
-    return [Job(tuple(rng.randrange(VOCAB) for _ in range(rng.randint(5, 90))),
-                SamplingParams(max_tokens=8, temperature=rng.choice([0.0, 0.9]), seed=rng.randrange(2**32),
+    return [Job(tuple(rng.randrange(VOCAB) for _ in range(rng.randint(5, longest))),
+                SamplingParams(max_tokens=new_tokens, temperature=rng.choice([0.0, 0.9]), seed=rng.randrange(2**32),
                                logprobs=1, ignore_eos=True), arrival_step=i, cancel_step=None)
             for i in range(count)]
 
@@ -307,6 +307,6 @@ def test_triton_tp2_batched_equals_triton_tp1_serial(checkpoint_dir, variant):
                       batched_args=TP2, tree_reduction=True)
     try:
         schedule = Schedule(chunk_size=64, snapshot_interval=64, budget_slack=0, prefix_reuse=True)
-        assert mismatches(engines, _fixed_jobs(3), 2, schedule) == []
+        assert mismatches(engines, _fixed_jobs(2, longest=70, new_tokens=4), 2, schedule) == []  # a prompt in 2 pieces
     finally:
         engines.close()
