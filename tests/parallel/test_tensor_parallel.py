@@ -307,6 +307,6 @@ def test_triton_tp2_batched_equals_triton_tp1_serial(checkpoint_dir, variant):
                       batched_args=TP2, tree_reduction=True)
     try:
         schedule = Schedule(chunk_size=64, snapshot_interval=64, budget_slack=0, prefix_reuse=True)
-        assert mismatches(engines, _fixed_jobs(2, longest=70, new_tokens=4), 2, schedule) == []  # a prompt in 2 pieces
+        assert mismatches(engines, _fixed_jobs(2, longest=70, new_tokens=4), 2, schedule) == []  # short: interpreted
     finally:
         engines.close()
