@@ -74,7 +74,7 @@ class BackendOptions:
                                                 "are the tensor-parallel ranks' sums, so tensor_parallel_size 1, 2, 4 "
                                                 "and 8 give the same bits; False: one product per rank and a plain "
                                                 "all-reduce; None: on when tensor_parallel_size > 1 (at 1 it costs "
-                                                "27-37% at Qwen3-0.6B shapes on the CPU: set True to compare with "
+                                                "up to a third at Qwen3-0.6B shapes on a CPU: set True to compare with "
                                                 "sharded runs)")
     exact_positions: bool | None = _option(None, "a position's logits are bitwise the same decoded, prefilled in a "
                                                  "piece of any length, or scored (prompt_logprobs), on models without "
