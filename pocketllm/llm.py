@@ -161,9 +161,7 @@ class LLM:
         return (self.args.max_seq_len - 1) // interval * self._state_bytes() if interval else 0
 
     def _op_table(self) -> Ops:
-        args, backend = self.args, self.args.options.backend
-        return get_ops(args.backend, backend.batch_invariant, backend.decode_per_row, args.op_overrides,
-                       backend.exact_positions)
+        return op_table(self.args)
 
     def _replay_buffers(self, ops: Ops) -> bool:
         """Whether Gated DeltaNet layers keep replay buffers: for exact positions, unless their op
@@ -368,6 +366,14 @@ class LLM:
         detokenize = self._detokenizer()
         request.text = None if detokenize is None else detokenize(request.token_ids)
         return request.result()
+
+
+def op_table(args: EngineArgs) -> Ops:
+    """The op table `args` selects: the one place it is built, so every tensor-parallel rank runs
+    the same ops as rank 0."""
+    options = args.options.backend
+    return get_ops(args.backend, options.batch_invariant, options.decode_per_row, args.op_overrides,
+                   options.exact_positions)
 
 
 def _on_own_thread(fn: Callable[[], T]) -> T:

@@ -43,11 +43,9 @@ def build_model(path: str | Path, cfg: ModelConfig, ops: Ops, dtype: torch.dtype
     family = ARCHITECTURES[cfg.architecture]
     plan = shard_plan(cfg, tp.rank, tp.size) if tp.size > 1 else None
     expected = family.expected_weights(cfg)
-    if family.checkpoint_layout is None:
-        weights = load_weights(path, expected, dtype, device, skip=family.skip_weight, shard=plan)
-    else:
-        to_load, convert = family.checkpoint_layout(cfg, Path(path), expected)
-        weights = convert(load_weights(path, to_load, dtype, device, skip=family.skip_weight, shard=plan))
+    to_load, convert = ((expected, lambda weights: weights) if family.checkpoint_layout is None
+                        else family.checkpoint_layout(cfg, Path(path), expected))
+    weights = convert(load_weights(path, to_load, dtype, device, skip=family.skip_weight, shard=plan))
     return family.model(local_config(cfg, tp.size), weights, ops, max_seq_len, tp)
 
 

@@ -89,8 +89,6 @@ def shard_plan(cfg: ModelConfig, rank: int, size: int) -> ShardPlan:
             _block(value_dim, rank, size, 2 * key_dim))
 
     def plan(name: str, shape: tuple[int, ...]) -> TensorShard | None:
-        if size == 1:
-            return None
         leaf = name.rsplit(".", 2)
         part = ".".join(leaf[-2:])  # e.g. "q_proj.weight", "linear_attn.dt_bias"
         if part in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"):

@@ -67,7 +67,7 @@ class WorkerSpec:
 def _worker_main(spec: WorkerSpec, status: multiprocessing.connection.Connection) -> None:
     """A worker process: build, report, join the group, serve. Imports happen here, in the child."""
     from ..config import ModelConfig
-    from ..kernels import get_ops
+    from ..llm import op_table
     from ..models import build_model
 
     try:
@@ -77,8 +77,7 @@ def _worker_main(spec: WorkerSpec, status: multiprocessing.connection.Connection
         if device.type == "cuda":
             torch.cuda.set_device(device)
         tp = TensorParallel(spec.rank, spec.size, tree=tree_enabled(options.tree_reduction, spec.size))
-        ops = get_ops(args.backend, options.batch_invariant, options.decode_per_row, args.op_overrides,
-                      options.exact_positions)
+        ops = op_table(args)
         cfg = ModelConfig.from_dir(args.model)
         model = build_model(args.model, cfg, ops, args.torch_dtype, device, args.max_seq_len, tp)
         cache = SlotCache(args.max_batch_size, args.max_seq_len, model.cache_specs(), args.torch_dtype, device,
