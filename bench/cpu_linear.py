@@ -1,6 +1,7 @@
 """The CPU linear products at Qwen3-0.6B's shapes: the C++ `fixed_order` kernel (its own reduction
-order) against MKL through `linear_row_invariant` (4- and 64-row tiles, the torch backend's decode
-and prefill products) and plain F.linear (one call, no invariance), median ms per call.
+order; its AVX2 variant beside it on an AVX-512 CPU, and with bf16 weights) against MKL through
+`linear_row_invariant` (4- and 64-row tiles, the torch backend's products without its C++ kernels)
+and plain F.linear (one call, no invariance), median ms per call.
 
     python bench/cpu_linear.py [--threads 2] [--rows 1 4 8 64 128 512] [--budget 0.5]
 Each cell: one warm-up call of each, then rounds of one call of each (interleaved, each first in
@@ -18,24 +19,22 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from pocketllm.kernels.linear import linear_fixed_order, linear_row_invariant
-
-try:
-    from pocketllm.machine import cpu_name
-except ImportError:  # an older tree
-    def cpu_name() -> str:
-        with open("/proc/cpuinfo") as info:
-            names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
-        return names[0] if names else "unknown CPU"
+from pocketllm.kernels.cpu.extension import load_extension
+from pocketllm.kernels.linear import linear_fixed_order, linear_fixed_order_avx2, linear_row_invariant
+from pocketllm.machine import cpu_name
 
 # (K, N): q/k/v fused, o_proj, gate_up fused, down_proj, lm_head.
 SHAPES = [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024), (1024, 151936)]
-IMPLS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "fixed_order": linear_fixed_order,
-    "mkl_tile4": lambda x, w: linear_row_invariant(x, w, None, 4),
-    "mkl_tile64": lambda x, w: linear_row_invariant(x, w, None, 64),
-    "F.linear": F.linear,
+# name -> fn(x, fp32 weight, bf16 weight)
+IMPLS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "fixed_order": lambda x, w, _: linear_fixed_order(x, w),
+    "fixed_order_avx2": lambda x, w, _: linear_fixed_order_avx2(x, w),
+    "fixed_order bf16 W": lambda x, _, w16: linear_fixed_order(x, w16),
+    "mkl_tile4": lambda x, w, _: linear_row_invariant(x, w, None, 4),
+    "mkl_tile64": lambda x, w, _: linear_row_invariant(x, w, None, 64),
+    "F.linear": lambda x, w, _: F.linear(x, w),
 }
+MKL = ("mkl_tile4", "mkl_tile64", "F.linear")
 
 
 def median_ms(fns: dict[str, Callable[[], object]], budget: float) -> dict[str, float]:
@@ -62,16 +61,23 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=1.0, help="seconds of calls per cell")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"# {cpu_name()}, {args.threads} threads, torch {torch.__version__}", flush=True)
-    header = "| K | N | rows | " + " | ".join(IMPLS) + " | fixed / best MKL |"
+    module = load_extension()
+    impls = dict(IMPLS)
+    if module is None or module.best_variant() != "avx512":
+        del impls["fixed_order_avx2"]  # it is the default variant, or nothing runs
+    print(f"# {cpu_name()}, {args.threads} threads, torch {torch.__version__}, fixed-order variant "
+          f"{None if module is None else module.best_variant()}", flush=True)
+    header = "| K | N | rows | " + " | ".join(impls) + " | fixed / best MKL |"
     table = [header, "|" + "---|" * (header.count("|") - 1)]
     for k, n in SHAPES:
         weight = torch.randn(n, k) * k ** -0.5
+        weight_bf16 = weight.bfloat16()
         for rows in args.rows:
             x = torch.randn(rows, k)
-            calls: dict[str, Callable[[], object]] = {name: partial(fn, x, weight) for name, fn in IMPLS.items()}
+            calls: dict[str, Callable[[], object]] = {name: partial(fn, x, weight, weight_bf16)
+                                                      for name, fn in impls.items()}
             cells = median_ms(calls, args.budget)
-            best = min(v for name, v in cells.items() if name != "fixed_order")
+            best = min(cells[name] for name in MKL)
             line = (f"| {k} | {n} | {rows} | " + " | ".join(f"{v:.3f}" for v in cells.values())
                     + f" | {cells['fixed_order'] / best:.2f} |")
             print(line, flush=True)

@@ -33,7 +33,6 @@ import torch
 import pocketllm.llm
 from pocketllm import LLM, EngineArgs, SamplingParams, write_checkpoint
 from pocketllm.kernels import Ops
-from pocketllm.scheduler import PrefillPolicy
 
 TERMINAL = ("stop", "length", "cancelled", "error")
 CALLBACK_ERRORS = (ValueError, SystemExit, KeyboardInterrupt)  # raised by callbacks, fresh each time
@@ -189,8 +188,8 @@ def soak(path: Path, requests: int, seed: int = 0, max_batch_size: int = 8, faul
             if next_item == len(work):
                 break
             item = work[next_item]
-            rid = s.submit_request(item.prompt, item.params, callback_for(next_item, item) if item.has_callback else None,
-                                   on_token=on_token if item.streamed else None)
+            callback = callback_for(next_item, item) if item.has_callback else None
+            rid = s.submit_request(item.prompt, item.params, callback, on_token=on_token if item.streamed else None)
             index_of[rid] = next_item
             pending.append(rid)
             if item.cancel_after is not None:

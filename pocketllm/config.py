@@ -28,6 +28,8 @@ DTypeName = Literal["float32", "bfloat16", "float16"]
 BACKENDS: tuple[Backend, ...] = tuple(backends.BACKENDS)
 DTYPES: dict[DTypeName, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                         "float16": torch.float16}
+# dtype -> the weight dtypes it runs with, itself included: what the fixed-order kernel multiplies.
+MIXED_WEIGHT_DTYPES: dict[str, tuple[DTypeName, ...]] = {"float32": ("float32", "bfloat16")}
 
 
 @dataclass
@@ -44,6 +46,12 @@ class EngineArgs:
 
     `tensor_parallel_size` > 1 shards the model over that many processes (this one and workers it
     starts; on CUDA one GPU each, from `device` on); see `pocketllm.parallel`.
+
+    `weight_dtype` (None: `dtype`) is the dtype the weight matrices are kept in (every tensor of two or
+    more dimensions but the Gated DeltaNet convolutions: the linear layers, the experts, the embedding
+    and lm_head). "bfloat16" under dtype "float32" halves the bytes a decode step reads while rows stay
+    fp32 and accumulate in fp32 in the C++ kernel's fixed order (the bf16 values widened exactly), so it
+    needs the torch backend's fixed-order kernels (exact positions on, a C++ compiler here).
     """
 
     model: str
@@ -54,6 +62,7 @@ class EngineArgs:
     backend_options: dict[str, Any] | None = None
     op_overrides: dict[str, ImplSpec] | None = None
     tensor_parallel_size: int = 1
+    weight_dtype: DTypeName | None = None
     options: Options = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -66,6 +75,10 @@ class EngineArgs:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def torch_weight_dtype(self) -> torch.dtype:
+        return DTYPES[self.weight_dtype or self.dtype]
 
     @property
     def max_batch_size(self) -> int:
@@ -82,6 +95,10 @@ def _check_engine_fields(args: EngineArgs) -> None:
         value = getattr(args, name)
         if not isinstance(value, str) or value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {_short(value)}")
+    weight_dtypes = MIXED_WEIGHT_DTYPES.get(args.dtype, (args.dtype,))
+    if args.weight_dtype is not None and args.weight_dtype not in weight_dtypes:
+        raise ValueError(f"weight_dtype must be None or one of {weight_dtypes} with dtype {args.dtype!r}, got "
+                         f"{_short(args.weight_dtype)}")
     if isinstance(args.max_seq_len, bool) or not isinstance(args.max_seq_len, int) or args.max_seq_len < 2:
         raise ValueError(f"max_seq_len must be an int >= 2, got {_short(args.max_seq_len)}")
     check_device(args.device)

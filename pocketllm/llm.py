@@ -16,7 +16,7 @@ import torch
 from .cache import RecurrentCacheSpec, SlotCache, cache_bytes, require_memory
 from .chat import Message, load_chat_template, render_chat
 from .config import EngineArgs, ModelConfig
-from .kernels import Ops, get_ops
+from .kernels import IMPLEMENTATIONS, Ops, get_ops
 from .kernels.backends import get_backend
 from .kernels.gated_delta_prefill import needs_replay
 from .kernels.probe import GatedDeltaProbe, ProbeReport, probe_row_invariance
@@ -125,7 +125,7 @@ class LLM:
             self.workers = Workers(args, size, replay)  # starts loading beside this process
         try:
             self.model = build_model(args.model, self.model_config, ops, args.torch_dtype, self.device,
-                                     args.max_seq_len, tp)
+                                     args.max_seq_len, tp, args.torch_weight_dtype)
             specs = self.model.cache_specs()
             if self.workers is None:
                 self.cache = SlotCache(args.max_batch_size, args.max_seq_len, specs, args.torch_dtype, self.device,
@@ -172,7 +172,8 @@ class LLM:
         """Whether the op table and the cache are built for exact positions (`exact_positions`, or
         the backend's default): Gated DeltaNet layers then keep replay buffers."""
         options = self.args.options.backend
-        return options.batch_invariant and get_backend(self.args.backend).exact(options.exact_positions)
+        return options.batch_invariant and get_backend(self.args.backend).exact(options.exact_positions,
+                                                                                options.decode_per_row)
 
     def _exact_positions(self, batch_invariant: bool) -> bool:
         """Whether a position's bits are the same decoded, prefilled or scored: built for it, and
@@ -191,9 +192,10 @@ class LLM:
         ops = self.model.ops
         cfg = self.model_config
         *body, lm_head = self.model.linear_weights()
-        exact = get_backend(self.args.backend).exact(options.exact_positions)
+        exact = get_backend(self.args.backend).exact(options.exact_positions, options.decode_per_row)
         report = probe_row_invariance(ops.linear, ops.prefill_linear, ops.rms_norm, ops.silu_and_mul, ops.sample,
-                                      body, lm_head, cfg.hidden_size, cfg.vocab_size, exact_positions=exact,
+                                      body, lm_head, cfg.hidden_size, cfg.vocab_size, self.args.torch_dtype,
+                                      exact_positions=exact,
                                       gated_delta=self._gated_delta_probe(),
                                       columns=self.args.tensor_parallel_size > 1)
         self.invariance_report = report
@@ -368,12 +370,25 @@ class LLM:
         return request.result()
 
 
+# The implementations that multiply bf16 weights under fp32 rows (`weight_dtype`): the C++ kernel's.
+FIXED_ORDER = ("fixed_order", "fixed_order_avx2")
+
+
 def op_table(args: EngineArgs) -> Ops:
     """The op table `args` selects: the one place it is built, so every tensor-parallel rank runs
-    the same ops as rank 0."""
+    the same ops as rank 0. Weights narrower than the rows (`weight_dtype`) need the ops that
+    multiply them to be the C++ fixed-order kernel; ValueError naming the field otherwise."""
     options = args.options.backend
-    return get_ops(args.backend, options.batch_invariant, options.decode_per_row, args.op_overrides,
-                   options.exact_positions)
+    ops = get_ops(args.backend, options.batch_invariant, options.decode_per_row, args.op_overrides,
+                  options.exact_positions)
+    if args.torch_weight_dtype != args.torch_dtype:
+        others = [op for op in ("linear", "prefill_linear", "moe")
+                  if getattr(ops, op) not in (IMPLEMENTATIONS[op].get(name) for name in FIXED_ORDER)]
+        if others or args.device != "cpu":
+            raise ValueError(f"weight_dtype={args.weight_dtype!r} with dtype={args.dtype!r} needs the torch backend's "
+                             f"C++ fixed-order kernels on the CPU (exact positions on, a C++ compiler here); this "
+                             f"engine runs {', '.join(others) or 'on a CUDA device'} on other implementations")
+    return ops
 
 
 def _on_own_thread(fn: Callable[[], T]) -> T:

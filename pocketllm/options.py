@@ -66,9 +66,9 @@ class BackendOptions:
     batch_invariant: bool = _option(True, "fixed-shape row tiles so results do not depend on the batch")
     invariance_probe: bool = _option(True, "a backend not invariant by construction: check at start-up that the "
                                            "row-wise ops are invariant here")
-    decode_per_row: bool = _option(False, "decode rows multiply W one row per call (fastest for batches of 1-2) "
-                                          "instead of in 4-row tiles (fastest from 3 rows on); needs "
-                                          "exact_positions=False")
+    decode_per_row: bool = _option(False, "without exact positions: decode rows multiply W one row per call (MKL's "
+                                          "fastest for batches of 1-2) instead of in 4-row tiles; turns the "
+                                          "exact_positions default off, and refuses exact_positions=True")
     tree_reduction: bool | None = _option(None, "row-parallel products (o_proj, down_proj, out_proj) are summed "
                                                 "over 8 fixed input-feature shards in one binary tree whose subtrees "
                                                 "are the tensor-parallel ranks' sums, so tensor_parallel_size 1, 2, 4 "
@@ -77,9 +77,10 @@ class BackendOptions:
                                                 "up to a third at Qwen3-0.6B shapes on a CPU: set True to compare with "
                                                 "sharded runs)")
     exact_positions: bool | None = _option(None, "a position's logits are bitwise the same decoded, prefilled in a "
-                                                 "piece of any length, or scored (prompt_logprobs), on models without "
-                                                 "Gated DeltaNet layers; None: the backend's default (triton: on, "
-                                                 "torch: off until its C++ kernel is measured on more CPUs)")
+                                                 "piece of any length, or scored (prompt_logprobs); None: the "
+                                                 "backend's default (triton: on; torch: on where its C++ kernels "
+                                                 "build, which own every reduction order; off without a C++ "
+                                                 "compiler, and with decode_per_row)")
 
 
 @dataclass(frozen=True)

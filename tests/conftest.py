@@ -1,51 +1,23 @@
-"""Fixtures, hooks and options for every test: Hypothesis profiles, `--impl`, the `gpu` skip, and
-random-weight checkpoints written once per test session."""
+"""Fixtures and hooks for every test: the `gpu` skip and the checkpoint variants, on top of
+pocketllm.testing's pytest plugin (`pytest_pocketllm`: `--impl`, the Hypothesis profiles, the
+checkpoint writer), which the install registers; a tree run without installing loads it from here."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import CHECKPOINT_VARIANTS, MOE_VARIANTS, QWEN3_5_VARIANTS
-from hypothesis import HealthCheck, settings
 
-from pocketllm import write_checkpoint
-
-# Hypothesis profiles (HYPOTHESIS_PROFILE selects one; CI=true selects "ci" by default):
-#   default  40 examples per property: the local run;
-#   ci       40 examples per property, failing examples printed as reproduction blobs;
-#   thorough 400 examples per property (ten times more).
-# Every property takes its budget from the active profile through `helpers.budget`, so a profile reaches
-# all of them; a property that is expensive per example asks for a fraction of it.
-_RELAXED = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                                      HealthCheck.data_too_large])
-settings.register_profile("default", max_examples=40, **_RELAXED)
-settings.register_profile("ci", max_examples=40, print_blob=True, **_RELAXED)
-settings.register_profile("thorough", max_examples=400, **_RELAXED)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--impl", action="append", default=[], metavar="OP=SPEC",
-                     help="run the kernel tests on this implementation of OP: a registered name or "
-                          "package.module:function (repeatable)")
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """Each --impl OP=SPEC is resolved (checked against the op's signature) and registered as the
-    op's "under_test" implementation, which the kernel tests take (tests/kernels/kernel_impls.py)."""
-    from pocketllm.kernels.registry import register, resolve
-
-    for item in config.getoption("impl"):
-        op, sep, spec = item.partition("=")
-        if not sep or not spec:
-            raise pytest.UsageError(f"--impl takes OP=SPEC, e.g. decode_attention=mypkg.mymod:my_decode; got {item!r}")
-        try:
-            register(op, "under_test", resolve(op, spec))
-        except (ImportError, ValueError, TypeError) as exc:
-            raise pytest.UsageError(f"--impl {item}: {exc}") from exc
+# The project's properties run on the "ci" profile (40 examples each, failures printed as reproduction
+# blobs) unless $POCKETLLM_PROFILE or --pocketllm-profile asks for "dev" or "thorough".
+os.environ.setdefault("POCKETLLM_PROFILE", "ci")
+_INSTALLED = any(ep.value == "pytest_pocketllm" for ep in importlib.metadata.entry_points(group="pytest11"))
+pytest_plugins = [] if _INSTALLED and not os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD") else ["pytest_pocketllm"]
+VARIANTS = {**CHECKPOINT_VARIANTS, **QWEN3_5_VARIANTS, **MOE_VARIANTS}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -69,18 +41,18 @@ def single_torch_thread():
 
 
 @pytest.fixture(scope="session")
-def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
+def checkpoint_dir(pocketllm_checkpoint):
     """Factory: variant name (CHECKPOINT_VARIANTS, QWEN3_5_VARIANTS or MOE_VARIANTS) -> path of its
-    checkpoint, written on first use ("per_expert": the experts rewritten in the per-expert layout)."""
+    checkpoint, written on first use, each variant from its own seed ("per_expert": the experts
+    rewritten in the per-expert layout)."""
     written: dict[str, Path] = {}
 
     def make(variant: str = "tiny") -> Path:
         if variant not in written:
-            path = tmp_path_factory.mktemp(f"ckpt_{variant}")
-            overrides = dict({**CHECKPOINT_VARIANTS, **QWEN3_5_VARIANTS, **MOE_VARIANTS}[variant])
+            overrides = dict(VARIANTS[variant])
             preset = overrides.pop("preset", "tiny")
             per_expert = overrides.pop("per_expert", False)
-            written[variant] = write_checkpoint(path, preset, seed=len(written) + 1, **overrides)
+            path = pocketllm_checkpoint(preset, seed=1 + sorted(VARIANTS).index(variant), **overrides)
             if per_expert:
                 from safetensors.torch import load_file, save_file
 
@@ -88,6 +60,7 @@ def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
 
                 file = str(path / "model.safetensors")
                 save_file(split_experts(load_file(file)), file, metadata={"format": "pt"})
+            written[variant] = path
         return written[variant]
 
     return make

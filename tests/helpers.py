@@ -1,4 +1,5 @@
-"""What the tests import (`from helpers import ...`): Hypothesis budgets and the checkpoint variants.
+"""What the tests import (`from helpers import ...`): Hypothesis budgets (pocketllm.testing's) and the
+checkpoint variants.
 
 Kept out of conftest.py: pytest loads each conftest.py as its directory's plugin, and a module named
 conftest, imported, is whichever of them Python finds first on its path."""
@@ -9,13 +10,8 @@ import json
 import random
 
 import pytest
-from hypothesis import settings
 
-
-def budget(fraction: float = 1.0) -> int:
-    """Examples for one property: `fraction` of the active profile's max_examples (at least 1)."""
-    return max(1, int(settings().max_examples * fraction))
-
+from pocketllm.testing import budget  # noqa: F401  (the tests import it from here)
 
 # Checkpoint variants the model tests run on: tied/untied embeddings, GQA ratios 2/4/1, head dims 32/16/24.
 CHECKPOINT_VARIANTS = {
@@ -82,12 +78,12 @@ def prompt_of(length: int, vocab: int = 256) -> list[int]:
     return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(length)).tolist()
 
 
-def greedy_jobs(rng: random.Random, vocab: int, max_prompt: int = 40, max_tokens: int = 16, max_jobs: int = 8) -> list:
+def greedy_jobs(rng: random.Random, vocab: int, max_prompt: int = 40, max_tokens: int = 16, max_jobs: int = 8) -> tuple:
     """2..max_jobs greedy requests (ignore_eos) arriving at steps 0..3: a negative control's workload."""
     from pocketllm import SamplingParams
-    from pocketllm.lab.engine import Job
+    from pocketllm.testing import Job
 
-    return [Job(tuple(rng.randrange(vocab) for _ in range(rng.randint(1, max_prompt))),
-                SamplingParams(max_tokens=rng.randint(4, max_tokens), temperature=0.0, ignore_eos=True),
-                arrival_step=rng.randint(0, 3), cancel_step=None)
-            for _ in range(rng.randint(2, max_jobs))]
+    return tuple(Job(tuple(rng.randrange(vocab) for _ in range(rng.randint(1, max_prompt))),
+                     SamplingParams(max_tokens=rng.randint(4, max_tokens), temperature=0.0, ignore_eos=True),
+                     arrival_step=rng.randint(0, 3), cancel_step=None)
+                 for _ in range(rng.randint(2, max_jobs)))

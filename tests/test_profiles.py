@@ -1,4 +1,4 @@
-"""Hypothesis budgets come from the active profile, so HYPOTHESIS_PROFILE reaches every property.
+"""Hypothesis budgets come from the active profile, so --pocketllm-profile reaches every property.
 
 A property with a literal max_examples would keep its budget under every profile (the thorough
 profile would silently not scale it); this scan keeps that from coming back.

@@ -14,8 +14,8 @@ from .workloads import Run, Sample, Workload, summarize
 PAD_ID = 0  # transformers static batches: left padding, masked out
 
 
-def load_transformers(path: Path) -> Any:
-    """The same checkpoint as a transformers model (float32, eval), warmed up; None when
+def load_transformers(path: Path, dtype: torch.dtype = torch.float32) -> Any:
+    """The same checkpoint as a transformers model (in `dtype`, eval), warmed up; None when
     transformers is not installed."""
     try:
         import transformers
@@ -23,7 +23,7 @@ def load_transformers(path: Path) -> Any:
         return None
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
     _static_batch(model, [[1] * 16, [1] * 8], 4)
     return model
 

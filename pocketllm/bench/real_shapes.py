@@ -2,8 +2,8 @@
 size of published checkpoints, where a small preset flatters.
 
 Random weights in the exact shapes of Qwen3-0.6B and Qwen3.5-0.8B (written once into the
-checkpoint cache, reused afterwards), float32, torch backend. Both engines run in one process on
-the same checkpoint and the same prompts. Per model:
+checkpoint cache, reused afterwards), torch backend. Both engines run in one process on the same
+checkpoint and the same prompts. Per model:
 
 - batch-1 decode: one request (prompt 32) alone; TTFT, TPOT and decode tokens/s = 1 / TPOT, beside
   the memory-bandwidth limit: bytes of every matrix a token multiplies / the machine's streaming
@@ -12,17 +12,19 @@ the same checkpoint and the same prompts. Per model:
   batching at max_batch_size 8 against transformers' static batches of 8 (left-padded);
 - prefill: TTFT of one 512-token prompt, as prompt tokens/s.
 
-pocketllm runs in each of CONFIGS: the default, per-row decode (the latency configuration), exact
-positions on (decoded and prefilled positions bitwise equal) and batch invariance off, so the cost
-of each promise is stated at each point. `--quick` runs the tiny
-presets with small counts (a smoke test of the whole pipeline); the numbers that matter come from
-the full run.
+pocketllm runs in each of CONFIGS: the default (the C++ fixed-order kernels, exact positions), the
+same kernels on their AVX2 variant (where the CPU has AVX-512 too: both must be fast, and they give
+the same bits), bf16 weights, the MKL tiles (what runs without a C++ compiler) and batch invariance
+off, so the cost of each promise is stated at each point. transformers runs in fp32, and in bf16
+beside the bf16-weight configuration. The report names the CPU and the kernel variant that ran, and
+each measurement prints a line as it finishes. `--quick` runs the tiny presets with small counts
+(a smoke test of the whole pipeline); the numbers that matter come from the full run.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +32,16 @@ import numpy as np
 import torch
 
 from ..config import EngineArgs
+from ..kernels.cpu.extension import load_extension, unavailable_reason
 from ..llm import LLM
 from ..models import cached_checkpoint
 from ..sampling import SamplingParams
 from .baseline import load_transformers, run_transformers, timed_generate
 from .report import load_average, machine_info, save_report
 from .runners import run_batched
-from .workloads import make_workloads
+from .workloads import Workload, make_workloads
 
-GOALS = {"decode_1": 1.2, "batched_8": 1.5, "prefill": 1.0}  # pocketllm / transformers
+GOALS = {"decode_1": 1.3, "batched_8": 1.8, "prefill": 1.0}  # pocketllm / transformers (fp32)
 BANDWIDTH_GOAL = 0.8  # batch-1 decode / memory-bandwidth limit
 
 
@@ -60,14 +63,37 @@ MAX_SEQ_LEN = 640
 
 
 @dataclass(frozen=True)
-class Point:
-    """One engine's numbers on one model: decode alone, batched, prefill."""
+class Config:
+    """One pocketllm configuration: backend options and further EngineArgs fields; `needs_avx512`:
+    measured only on a CPU with AVX-512 (the AVX2 variant beside the default one)."""
 
-    engine: str  # "transformers" or a key of CONFIGS
+    options: dict[str, Any] = field(default_factory=dict)
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    needs_avx512: bool = False
+
+
+AVX2 = {"linear": "fixed_order_avx2", "prefill_linear": "fixed_order_avx2"}
+CONFIGS: dict[str, Config] = {
+    "pocketllm": Config(),
+    "pocketllm (AVX2 kernel)": Config(engine_args={"op_overrides": AVX2}, needs_avx512=True),
+    "pocketllm (bf16 weights)": Config(engine_args={"weight_dtype": "bfloat16"}),
+    "pocketllm (MKL tiles)": Config({"exact_positions": False}),
+    "pocketllm (invariance off)": Config({"batch_invariant": False, "exact_positions": False}),
+}
+BF16_CONFIG = "pocketllm (bf16 weights)"  # compared with transformers in bf16 as well
+
+
+@dataclass(frozen=True)
+class Point:
+    """One engine's numbers on one model: decode alone, batched, prefill; the bytes of the matrices
+    one token multiplies (the bandwidth limit's numerator) in that engine's weight dtype."""
+
+    engine: str  # "transformers", "transformers (bf16)" or a key of CONFIGS
     decode_ttft_s: float
     decode_tpot_s: float
     batched_tokens_per_s: float
     prefill_s: float
+    bytes_per_token: int
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
@@ -87,72 +113,94 @@ def token_bytes(llm: LLM) -> int:
     return sum(w.numel() * w.element_size() for w in llm.model.linear_weights())
 
 
+def kernel_info() -> dict[str, Any]:
+    """Which fixed-order kernel variant runs by default here, or why none does."""
+    module = load_extension()
+    if module is None:
+        return {"fixed_order": None, "unavailable": unavailable_reason()}
+    return {"fixed_order": module.best_variant()}
+
+
 def _prompt(rng: np.random.Generator, vocab: int, length: int) -> list[int]:
     return rng.integers(0, vocab, length).tolist()
 
 
-# pocketllm's configurations, each measured at every point: the default, the decode strategy for
-# lone requests (see linear_per_row), exact positions (see backends._torch), and the contract
-# switched off (one plain GEMM per batch).
-CONFIGS: dict[str, dict[str, Any]] = {"pocketllm": {},
-                                      "pocketllm (per-row decode)": {"decode_per_row": True, "exact_positions": False},
-                                      "pocketllm (exact positions)": {"exact_positions": True},
-                                      "pocketllm (invariance off)": {"batch_invariant": False}}
-
-
 def _pocketllm_alone(path: Path, decode_prompt: list[int], prefill_prompt: list[int], size: Size,
-                     options: dict[str, Any]) -> tuple[float, float, float]:
-    """(decode TTFT, decode TPOT, prefill TTFT) of one request at a time on the serial path."""
-    args = EngineArgs(model=str(path), max_seq_len=MAX_SEQ_LEN, backend_options={"enable_batching": False, **options})
+                     config: Config) -> tuple[float, float, float, int]:
+    """(decode TTFT, decode TPOT, prefill TTFT, bytes per token) of one request at a time on the
+    serial path."""
+    args = EngineArgs(model=str(path), max_seq_len=MAX_SEQ_LEN,
+                      backend_options={"enable_batching": False, **config.options}, **config.engine_args)
     with LLM(args) as llm:
         llm.generate([decode_prompt[:8]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
         decoded = llm.generate([decode_prompt], SamplingParams(max_tokens=size.decode_tokens, temperature=0.0,
                                                                ignore_eos=True))[0]
         prefilled = llm.generate([prefill_prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))[0]
+        weights = token_bytes(llm)
     assert decoded.ttft_s is not None and decoded.total_time_s is not None and prefilled.ttft_s is not None
     tpot = (decoded.total_time_s - decoded.ttft_s) / (size.decode_tokens - 1)
-    return decoded.ttft_s, tpot, prefilled.ttft_s
+    return decoded.ttft_s, tpot, prefilled.ttft_s, weights
+
+
+def _progress(preset: str, point: Point, size: Size, started: float) -> None:
+    print(f"  {preset} {point.engine}: decode {1 / point.decode_tpot_s:.2f} tokens/s, batched "
+          f"{point.batched_tokens_per_s:.2f} tokens/s, prefill {size.prefill_tokens / point.prefill_s:.1f} tokens/s "
+          f"({time.perf_counter() - started:.0f} s)", flush=True)
+
+
+def _transformers_point(path: Path, dtype: torch.dtype, name: str, decode_prompt: list[int],
+                        prefill_prompt: list[int], workload: Workload, size: Size, weights: int) -> Point:
+    model = load_transformers(path, dtype)
+    ttft, total = timed_generate(model, decode_prompt, size.decode_tokens)
+    prefill, _ = timed_generate(model, prefill_prompt, 1)
+    static = run_transformers(model, workload, BATCH)
+    return Point(name, ttft, (total - ttft) / (size.decode_tokens - 1), static.tokens_per_s, prefill, weights)
 
 
 def measure_model(preset: str, size: Size, seed: int, with_transformers: bool,
-                  configs: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Every point of one model, for transformers and each of pocketllm's `configs` (CONFIGS)."""
+                  configs: dict[str, Config] | None = None) -> dict[str, Any]:
+    """Every point of one model, for transformers and each of pocketllm's `configs` (CONFIGS; those
+    needing AVX-512 only where the CPU has it)."""
     path = cached_checkpoint(preset, seed)
     rng = np.random.default_rng(seed)
     with LLM(EngineArgs(model=str(path), max_seq_len=MAX_SEQ_LEN, backend_options={"enable_batching": False,
                                                                                     "invariance_probe": False})) as llm:
-        vocab, weights = llm.model_config.vocab_size, token_bytes(llm)
+        vocab, fp32_bytes = llm.model_config.vocab_size, token_bytes(llm)
         params = sum(t.numel() for t in llm.model.linear_weights())
     decode_prompt, prefill_prompt = _prompt(rng, vocab, PROMPT), _prompt(rng, vocab, size.prefill_tokens)
     workload = next(w for w in make_workloads(size.batched_requests, vocab, seed) if w.name == "random")
+    chosen = {name: c for name, c in (CONFIGS if configs is None else configs).items()
+              if not c.needs_avx512 or kernel_info()["fixed_order"] == "avx512"}
+    baselines = [("transformers", torch.float32, fp32_bytes)]
+    if BF16_CONFIG in chosen:
+        baselines.append(("transformers (bf16)", torch.bfloat16, fp32_bytes // 2))
     points = []
-    if with_transformers:
-        model = load_transformers(path)
-        ttft, total = timed_generate(model, decode_prompt, size.decode_tokens)
-        prefill, _ = timed_generate(model, prefill_prompt, 1)
-        static = run_transformers(model, workload, BATCH)
-        points.append(Point("transformers", ttft, (total - ttft) / (size.decode_tokens - 1), static.tokens_per_s,
-                            prefill))
-        del model
-    for name, options in (CONFIGS if configs is None else configs).items():
-        print(f"{preset}: {name}", flush=True)
-        ttft, tpot, prefill = _pocketllm_alone(path, decode_prompt, prefill_prompt, size, options)
-        batched = run_batched(path, workload, BATCH, **options)
-        points.append(Point(name, ttft, tpot, batched.tokens_per_s, prefill))
-    return {"preset": preset, "matrix_parameters": params, "bytes_per_token": weights,
+    for name, dtype, weights in baselines if with_transformers else []:
+        started = time.perf_counter()
+        points.append(_transformers_point(path, dtype, name, decode_prompt, prefill_prompt, workload, size, weights))
+        _progress(preset, points[-1], size, started)
+    for name, config in chosen.items():
+        started = time.perf_counter()
+        ttft, tpot, prefill, weights = _pocketllm_alone(path, decode_prompt, prefill_prompt, size, config)
+        batched = run_batched(path, workload, BATCH, engine_args=config.engine_args, **config.options)
+        points.append(Point(name, ttft, tpot, batched.tokens_per_s, prefill, weights))
+        _progress(preset, points[-1], size, started)
+    return {"preset": preset, "matrix_parameters": params, "bytes_per_token": fp32_bytes,
             "prefill_tokens": size.prefill_tokens, "points": [asdict(p) for p in points]}
 
 
 def verdicts(model: dict[str, Any], bandwidth: float) -> dict[str, Any]:
-    """Per point: each engine's tokens/s, pocketllm's ratios to transformers against the goals;
-    the batch-1 decode of each configuration as a fraction of the memory-bandwidth limit."""
+    """Per point: each engine's tokens/s, pocketllm's ratios to transformers (fp32) against the
+    goals; the batch-1 decode of each configuration as a fraction of its memory-bandwidth limit (its
+    own weight bytes)."""
     by_engine = {p["engine"]: p for p in model["points"]}
-    ours = [name for name in by_engine if name != "transformers"]
-    limit = bandwidth / model["bytes_per_token"]
+    ours = [name for name in by_engine if not name.startswith("transformers")]
+    limits = {name: bandwidth / p["bytes_per_token"] for name, p in by_engine.items()}
     rates = {"decode_1": lambda p: 1 / p["decode_tpot_s"], "batched_8": lambda p: p["batched_tokens_per_s"],
              "prefill": lambda p: model["prefill_tokens"] / p["prefill_s"]}
-    out: dict[str, Any] = {"bandwidth_limit_tokens_per_s": limit,
-                           "decode_1_of_limit": {name: rates["decode_1"](by_engine[name]) / limit for name in ours}}
+    out: dict[str, Any] = {"bandwidth_limit_tokens_per_s": bandwidth / model["bytes_per_token"],
+                           "decode_1_of_limit": {name: rates["decode_1"](by_engine[name]) / limits[name]
+                                                 for name in by_engine}}
     theirs = by_engine.get("transformers")
     for point, rate in rates.items():
         row: dict[str, Any] = {"goal": GOALS[point], "tokens_per_s": {e: rate(p) for e, p in by_engine.items()}}
@@ -165,19 +213,21 @@ def verdicts(model: dict[str, Any], bandwidth: float) -> dict[str, Any]:
 
 def markdown(report: dict[str, Any]) -> str:
     m = report["machine"]
+    kernel = report["kernels"]["fixed_order"] or f"none ({report['kernels']['unavailable']})"
     lines = ["# pocketllm at real model shapes", "",
              f"Measured on {m['processor']} ({m['cpu_count']} CPUs, {m['torch_threads']} torch threads), torch "
-             f"{m['torch']}, transformers {m['transformers'] or 'not installed'}; float32, torch backend, random "
-             f"weights in the checkpoints' exact shapes; load average {m['load_average_1min_at_start']:.2f} at start. "
-             f"Streaming read bandwidth: {report['read_bandwidth_gb_s']:.1f} GB/s. Tokens/s, and in brackets "
-             f"the ratio to transformers.", ""]
+             f"{m['torch']}, transformers {m['transformers'] or 'not installed'}; float32 rows, torch backend, random "
+             f"weights in the checkpoints' exact shapes; fixed-order kernel variant: {kernel}; load average "
+             f"{m['load_average_1min_at_start']:.2f} at start. Streaming read bandwidth: "
+             f"{report['read_bandwidth_gb_s']:.1f} GB/s. Tokens/s, and in brackets the ratio to transformers (fp32).",
+             ""]
     names = {"decode_1": "batch-1 decode", "batched_8": f"continuous batching {BATCH} (`random`)",
              "prefill": f"prefill ({report['size']['prefill_tokens']}-token prompt)"}
-    engines = [p["engine"] for p in report["models"][0]["points"]]  # transformers first, when measured
     for model in report["models"]:
+        engines = [p["engine"] for p in model["points"]]  # transformers first, when measured
         v = model["verdicts"]
         lines += [f"## `{model['preset']}` ({model['matrix_parameters'] / 1e6:.1f}M matrix parameters, "
-                  f"{model['bytes_per_token'] / 2**20:.1f} MiB read per token)", "",
+                  f"{model['bytes_per_token'] / 2**20:.1f} MiB read per token in fp32)", "",
                   "| | " + " | ".join(engines) + " | goal | met by |", "|---" * (len(engines) + 3) + "|"]
         for key, label in names.items():
             row = v[key]
@@ -185,9 +235,9 @@ def markdown(report: dict[str, Any]) -> str:
                                                          else "") for e in engines]
             met = ", ".join(row["met_by"]) or "none" if "met_by" in row else "-"
             lines.append(f"| {label} | " + " | ".join(cells) + f" | >= {row['goal']}x | {met} |")
-        limit = v["bandwidth_limit_tokens_per_s"]
         shares = ", ".join(f"{name} {100 * share:.0f}%" for name, share in v["decode_1_of_limit"].items())
-        lines += ["", f"Memory-bandwidth limit for batch-1 decode: {limit:.2f} tokens/s. Reached: {shares} "
+        lines += ["", f"Memory-bandwidth limit for batch-1 decode in fp32: {v['bandwidth_limit_tokens_per_s']:.2f} "
+                      f"tokens/s (bf16 weights: twice that). Reached, each of its own weight bytes: {shares} "
                       f"(goal {100 * BANDWIDTH_GOAL:.0f}%).", ""]
     return "\n".join(lines)
 
@@ -196,15 +246,19 @@ def run(out: Path, quick: bool, seed: int, with_transformers: bool, plots: bool)
     """Measure every model of the size, write real_shapes.json/.md (and .png); return the Markdown."""
     size = SIZES["quick" if quick else "full"]
     machine = machine_info()
+    kernels = kernel_info()
+    print(f"real shapes on {machine['processor']}, {machine['torch_threads']} threads, fixed-order kernel: "
+          f"{kernels['fixed_order'] or kernels['unavailable']}", flush=True)
     bandwidth = read_bandwidth(0.25 if quick else 1.0)
+    print(f"  streaming read: {bandwidth / 1e9:.1f} GB/s", flush=True)
     models = []
     for preset in size.presets:
         model = measure_model(preset, size, seed, with_transformers)
         model["verdicts"] = verdicts(model, bandwidth)
         models.append(model)
     machine["load_average_1min_at_end"] = load_average()
-    report = {"machine": machine, "read_bandwidth_gb_s": bandwidth / 1e9, "size": asdict(size), "seed": seed,
-              "models": models}
+    report = {"machine": machine, "kernels": kernels, "read_bandwidth_gb_s": bandwidth / 1e9, "size": asdict(size),
+              "seed": seed, "models": models}
     text = markdown(report)
     save_report(out, "real_shapes", report, text)
     if plots:

@@ -28,8 +28,9 @@ LATENCY_MODES = {"serial": {"enable_batching": False},
                  "batched_caller": {"enable_batching": True, "background_thread": False}}
 
 
-def _engine(path: Path, **options: Any) -> LLM:
-    return LLM(EngineArgs(model=str(path), max_seq_len=MAX_SEQ_LEN, backend_options=options))
+def _engine(path: Path, engine_args: dict[str, Any] | None = None, **options: Any) -> LLM:
+    """An engine on `path` with these backend `options` and further EngineArgs fields (`engine_args`)."""
+    return LLM(EngineArgs(model=str(path), max_seq_len=MAX_SEQ_LEN, backend_options=options, **(engine_args or {})))
 
 
 def _warm_up(llm: LLM, count: int) -> None:
@@ -77,11 +78,11 @@ def run_serial(path: Path, workload: Workload) -> Run:
 
 
 def run_batched(path: Path, workload: Workload, max_batch_size: int, timeline: list[SlotEvent] | None = None,
-                **options: Any) -> Run:
+                engine_args: dict[str, Any] | None = None, **options: Any) -> Run:
     """Continuous batching, every request submitted at once, on an engine with these backend
-    `options` besides. With a `timeline` list, the run records its slot timeline and appends the
-    measured requests' events (time 0 = first event)."""
-    with _engine(path, enable_batching=True, max_batch_size=max_batch_size,
+    `options` and EngineArgs fields (`engine_args`) besides. With a `timeline` list, the run records
+    its slot timeline and appends the measured requests' events (time 0 = first event)."""
+    with _engine(path, engine_args, enable_batching=True, max_batch_size=max_batch_size,
                  record_timeline=timeline is not None, **options) as llm:
         _warm_up(llm, max_batch_size)
         start = time.perf_counter()

@@ -75,7 +75,8 @@ def backend_impls(backend: str, batch_invariant: bool = True, decode_per_row: bo
     """op -> implementation name for `backend` (see each backend's record in `backends.py`; the
     flags are the `backend_options` of the same names, read by the backends that list them)."""
     record = get_backend(backend)
-    return record.select(IMPLEMENTATIONS, batch_invariant, decode_per_row, record.exact(exact_positions))
+    exact = record.exact(exact_positions, decode_per_row)
+    return record.select(IMPLEMENTATIONS, batch_invariant, decode_per_row, exact)
 
 
 def get_ops(backend: str, batch_invariant: bool = True, decode_per_row: bool = False,

@@ -25,11 +25,15 @@ class Backend:
     select: Callable[[Implementations, bool, bool, bool], dict[str, str]]
     invariant_by_construction: bool
     options: tuple[str, ...]  # the backend_options whose values change what it runs
-    exact_by_default: bool  # exact_positions when the option is None: on where it costs little
+    exact_by_default: Callable[[], bool]  # exact_positions when the option is None, on this machine
 
-    def exact(self, requested: bool | None) -> bool:
-        """Whether decoded and prefilled positions get the same bits, given `exact_positions`."""
-        return self.exact_by_default if requested is None else requested
+    def exact(self, requested: bool | None, decode_per_row: bool = False) -> bool:
+        """Whether decoded and prefilled positions get the same bits, given `exact_positions`; a
+        `decode_per_row` request (a decode strategy of the non-exact configuration) turns the
+        default off."""
+        if requested is not None:
+            return requested
+        return not decode_per_row and self.exact_by_default()
 
 
 def _torch(implementations: Implementations, batch_invariant: bool, decode_per_row: bool,
@@ -74,12 +78,19 @@ def _triton(implementations: Implementations, batch_invariant: bool, decode_per_
     return impls
 
 
+def _own_kernels_build() -> bool:
+    """The torch backend is exact by default where its C++ kernels build: they own every reduction
+    order, so exactness costs nothing there (see the README's real-shape tables); without them the
+    exact configuration would multiply prefill rows in 4-row MKL tiles and attend one row per call."""
+    return load_extension() is not None
+
+
 BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
     Backend("torch", _torch, invariant_by_construction=False,
             options=("batch_invariant", "invariance_probe", "decode_per_row", "exact_positions", "tree_reduction"),
-            exact_by_default=False),  # see the README: faster decode, 3-15% slower prefill, one CPU measured
+            exact_by_default=_own_kernels_build),
     Backend("triton", _triton, invariant_by_construction=True, options=("exact_positions", "tree_reduction"),
-            exact_by_default=True),
+            exact_by_default=lambda: True),
 )}
 
 DEFAULT_BACKEND = "torch"  # runs anywhere; the fast path on CPU

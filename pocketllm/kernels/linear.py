@@ -119,26 +119,43 @@ def linear_per_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out if bias is None else out + bias
 
 
-# The dtypes `linear_fixed_order` takes: fp32 (what the engine runs on CPUs), and half precision
-# (the lab's case grid runs every implementation in fp16 too) through an exact fp32 copy, the result
-# rounded once to the input's dtype, so the order stays the kernel's. The kernel itself takes fp32.
+# The dtypes `linear_fixed_order` takes. The kernel reads fp32 or bf16 weights (bf16 widened to fp32
+# as it loads them: exactly, so a bf16 W gives the bits of W.float()) with fp32 rows. Rows in bf16 or
+# fp16 are widened to fp32 first and the result rounded once to their dtype, so the order stays the
+# kernel's; an fp16 W (the lab's fp16 cases) is widened to an fp32 copy per call.
 FIXED_ORDER_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def linear_fixed_order(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """[M, K] x [N, K] (+ [N]) -> [M, N] by the C++ kernel of `kernels/cpu/linear.cpp`, in its one
     documented reduction order (16 lanes over K, a fixed tree, then the bias): row invariant, thread
-    count and alignment invariant by construction. Raises RuntimeError when the kernel cannot be
-    built here; the op never falls back to another product on its own."""
+    count and alignment invariant by construction. x and the bias are fp32, fp16 or bf16; the weight
+    is of x's dtype, or bf16 under fp32 rows (bf16 weights: half the bytes a decode step reads). Raises
+    RuntimeError when the kernel cannot be built here; the op never falls back to another product on
+    its own. Runs the best variant this CPU has (AVX-512 or AVX2)."""
+    return _fixed_order(x, weight, bias, "")
+
+
+def linear_fixed_order_avx2(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear_fixed_order` on its AVX2 variant on any CPU that has AVX2: the same order, so the same
+    bits, as the AVX-512 one; the benchmark and the tests run it beside the default on AVX-512 CPUs."""
+    return _fixed_order(x, weight, bias, "avx2")
+
+
+def _fixed_order(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, variant: str) -> torch.Tensor:
     module = load_extension()
     if module is None:
         raise RuntimeError(f"linear 'fixed_order' needs pocketllm's C++ CPU kernels: {unavailable_reason()}")
-    if x.dtype not in FIXED_ORDER_DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise ValueError(f"linear 'fixed_order' takes fp32 (or fp16/bf16) x, weight and bias of one dtype, got "
-                         f"{x.dtype}, {weight.dtype}, {None if bias is None else bias.dtype}")
+    bf16_weight = x.dtype == torch.float32 and weight.dtype == torch.bfloat16
+    if x.dtype not in FIXED_ORDER_DTYPES or (weight.dtype != x.dtype and not bf16_weight) or \
+            (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"linear 'fixed_order' takes fp32 (or fp16/bf16) x and bias and a weight of x's dtype "
+                         f"(or bf16 under fp32 x), got {x.dtype}, {weight.dtype}, "
+                         f"{None if bias is None else bias.dtype}")
     if x.dtype == torch.float32:
-        return module.linear(x, weight, bias)
-    out = module.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return module.linear(x, weight, bias, variant)
+    wide_weight = weight if weight.dtype == torch.bfloat16 else weight.float()
+    out = module.linear(x.float(), wide_weight, None if bias is None else bias.float(), variant)
     return out.to(x.dtype)
 
 
@@ -272,5 +289,6 @@ CASES = Layout(
     [({"k": k, "n": n, "bias": bias}, members) for k, n, bias in ((24, 40, False), (67, 33, True))
      for members in ROWS + [[(1, 0)] * 9]])
 OP = OpSpec("linear", Linear, {"ref": linear_ref, "row_invariant": linear_row_invariant, "per_row": linear_per_row,
-                               "fixed_order": linear_fixed_order, "triton": linear_triton},
+                               "fixed_order": linear_fixed_order, "fixed_order_avx2": linear_fixed_order_avx2,
+                               "triton": linear_triton},
             order=60, cases=CASES, launches=_launches, cost=cost)

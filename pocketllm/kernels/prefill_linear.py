@@ -16,6 +16,7 @@ prefill_linear_ref = linear_ref
 prefill_linear_triton = linear_triton
 # Its order does not depend on the row count, so prefill rows get the bits of the same rows decoded.
 prefill_linear_fixed_order = linear.linear_fixed_order
+prefill_linear_fixed_order_avx2 = linear.linear_fixed_order_avx2
 
 
 def prefill_linear_row_invariant(x: torch.Tensor, weight: torch.Tensor,
@@ -37,6 +38,8 @@ def _launches(step: Step) -> list[Call]:
 
 OP = OpSpec("prefill_linear", Linear, {"ref": prefill_linear_ref, "row_invariant": prefill_linear_row_invariant,
                                        "decode_tiles": prefill_linear_decode_tiles,
-                                       "fixed_order": prefill_linear_fixed_order, "triton": prefill_linear_triton},
+                                       "fixed_order": prefill_linear_fixed_order,
+                                       "fixed_order_avx2": prefill_linear_fixed_order_avx2,
+                                       "triton": prefill_linear_triton},
             order=70, cases=linear.CASES,
             launches=_launches, cost=linear.cost)

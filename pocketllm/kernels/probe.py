@@ -164,17 +164,18 @@ def _replay_cut_invariant(probe: GatedDeltaProbe, generator: torch.Generator, de
 
 def probe_row_invariance(linear: Callable, prefill_linear: Callable, rms_norm: Callable, silu_and_mul: Callable,
                          sample: Callable, body_weights: Sequence[torch.Tensor], lm_head: torch.Tensor,
-                         hidden_size: int, vocab_size: int, seed: int = 0,
+                         hidden_size: int, vocab_size: int, dtype: torch.dtype, seed: int = 0,
                          exact_positions: bool = False, gated_delta: GatedDeltaProbe | None = None,
                          columns: bool = False) -> ProbeReport:
     """Check the row-wise ops on the model's own weights and widths: `linear` on every distinct
     shape (decode rows and the lm_head), `prefill_linear` on the body's (prefill token rows), and
     with `exact_positions` that the two give a row the same bits, and that `gated_delta`'s exact
     replay is cut invariant; with `columns` (tensor parallelism) that a block of output columns
-    computed alone keeps its bits; the inputs are random, drawn from `seed`."""
+    computed alone keeps its bits; the inputs are random rows of `dtype` (the weights may be kept
+    narrower), drawn from `seed`."""
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
-    device, dtype = lm_head.device, lm_head.dtype
+    device = lm_head.device
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)

@@ -41,15 +41,23 @@ def close_error(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype
 
 
 def bits_error(actual: torch.Tensor, expected: torch.Tensor) -> str | None:
-    """None when the two tensors hold the same bits (NaN included); else how many values differ."""
+    """None when the two tensors hold the same bits (NaN included); else how many values differ, the
+    first one's index and both values with their bit patterns."""
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
         return f"{actual.dtype}{list(actual.shape)} != {expected.dtype}{list(expected.shape)}"
     a, e = actual.detach().contiguous().cpu(), expected.detach().contiguous().cpu()
-    if a.numel() == 0 or torch.equal(a.view(torch.uint8), e.view(torch.uint8)):
+    if a.numel() == 0:
         return None
-    values = a.view(-1).view(torch.uint8).view(-1, a.element_size()) != e.view(-1).view(torch.uint8).view(
-        -1, a.element_size())
-    differ = values.any(dim=1)
-    first = int(differ.nonzero()[0])
-    return (f"{int(differ.sum())} of {a.numel()} values differ in their bits (first at flat index {first}: "
-            f"{a.view(-1)[first].item()!r} vs {e.view(-1)[first].item()!r})")
+    width = a.element_size()
+    differ = (a.reshape(-1).view(torch.uint8).view(-1, width) != e.reshape(-1).view(torch.uint8).view(-1, width)).any(1)
+    if not bool(differ.any()):
+        return None
+    flat = int(differ.nonzero()[0])
+    index = [int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape)]
+    return (f"{int(differ.sum())} of {a.numel()} values differ in their bits; the first at {index}: "
+            f"{a.reshape(-1)[flat].item()!r} ({_bits(a, flat)}) vs {e.reshape(-1)[flat].item()!r} ({_bits(e, flat)})")
+
+
+def _bits(t: torch.Tensor, flat: int) -> str:
+    """Element `flat` of a contiguous tensor as its bit pattern in hex (little-endian bytes reversed)."""
+    return "0x" + bytes(t.reshape(-1)[flat:flat + 1].view(torch.uint8).flip(0).tolist()).hex()

@@ -307,7 +307,8 @@ class DecoderModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        """The dtype rows are computed in (the weight matrices may be kept narrower)."""
+        return self.final_norm.dtype
 
     def linear_weights(self) -> list[torch.Tensor]:
         """Every matrix multiplied through `ops.linear`, block by block, lm_head last."""
@@ -336,9 +337,9 @@ class DecoderModel:
         """Embedding rows; under tensor parallelism each rank looks up the ids of its vocabulary
         block, zeros elsewhere, and the ranks' rows are summed: one of them is not zero, so exactly."""
         if self.tp.size == 1:
-            return self.ops.embedding(input_ids, self.embed)
+            return self.ops.embedding(input_ids, self.embed).to(self.dtype)
         block = self.embed.shape[0]
         local = input_ids - self.tp.rank * block
         mine = (local >= 0) & (local < block)
-        rows = self.ops.embedding(torch.where(mine, local, 0), self.embed)
+        rows = self.ops.embedding(torch.where(mine, local, 0), self.embed).to(self.dtype)
         return tree_sum(self.tp.all_gather(torch.where(mine[:, None], rows, 0)))

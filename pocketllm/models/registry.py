@@ -31,10 +31,18 @@ def family_of(cfg: ModelConfig) -> Family:
     return ARCHITECTURES[cfg.architecture]
 
 
+def is_matrix(name: str, tensor: torch.Tensor) -> bool:
+    """A weight matrix (kept in the engine's weight dtype): every tensor of two or more dimensions
+    (linear layers, experts, the embedding and lm_head) but the Gated DeltaNet convolutions."""
+    return tensor.dim() >= 2 and not name.endswith("conv1d.weight")
+
+
 def build_model(path: str | Path, cfg: ModelConfig, ops: Ops, dtype: torch.dtype,
-                device: torch.device | str, max_seq_len: int, tp: TensorParallel = SINGLE) -> Model:
+                device: torch.device | str, max_seq_len: int, tp: TensorParallel = SINGLE,
+                weight_dtype: torch.dtype | None = None) -> Model:
     """Load the checkpoint at `path` into the model class its architecture names; under tensor
-    parallelism, this rank's share of it (its tensors read from the files slice by slice)."""
+    parallelism, this rank's share of it (its tensors read from the files slice by slice). The weight
+    matrices (`is_matrix`) are kept in `weight_dtype` (None: `dtype`), everything else in `dtype`."""
     if cfg.architecture not in ARCHITECTURES:
         raise CheckpointError(
             f"{Path(path) / 'config.json'}: unknown architecture {cfg.architecture!r}; "
@@ -46,6 +54,8 @@ def build_model(path: str | Path, cfg: ModelConfig, ops: Ops, dtype: torch.dtype
     to_load, convert = ((expected, lambda weights: weights) if family.checkpoint_layout is None
                         else family.checkpoint_layout(cfg, Path(path), expected))
     weights = convert(load_weights(path, to_load, dtype, device, skip=family.skip_weight, shard=plan))
+    if weight_dtype is not None and weight_dtype != dtype:
+        weights = {name: t.to(weight_dtype) if is_matrix(name, t) else t for name, t in weights.items()}
     return family.model(local_config(cfg, tp.size), weights, ops, max_seq_len, tp)
 
 

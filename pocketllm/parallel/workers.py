@@ -79,7 +79,8 @@ def _worker_main(spec: WorkerSpec, status: multiprocessing.connection.Connection
         tp = TensorParallel(spec.rank, spec.size, tree=tree_enabled(options.tree_reduction, spec.size))
         ops = op_table(args)
         cfg = ModelConfig.from_dir(args.model)
-        model = build_model(args.model, cfg, ops, args.torch_dtype, device, args.max_seq_len, tp)
+        model = build_model(args.model, cfg, ops, args.torch_dtype, device, args.max_seq_len, tp,
+                            args.torch_weight_dtype)
         cache = SlotCache(args.max_batch_size, args.max_seq_len, model.cache_specs(), args.torch_dtype, device,
                           replay=spec.replay)
     except BaseException as exc:  # reported to rank 0, which raises it

@@ -15,18 +15,29 @@ the machine's business, so nothing asserts it)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from planted import decode_attention_nudged, decode_attention_triton_nudged, prefill_attention_first_row_nudged
 
 from pocketllm import LLM, EngineArgs, SamplingParams, write_checkpoint
+from pocketllm.kernels import IMPLEMENTATIONS
 from pocketllm.kernels.decode_attention import decode_attention_split_kv
 from pocketllm.kernels.rms_norm import rms_norm_ref
 from pocketllm.runner import SequenceInput
 from pocketllm.sampling import MAX_LOGPROBS
+from pocketllm.testing.planted import (
+    decode_attention_nudged,
+    decode_attention_triton_nudged,
+    prefill_attention_first_row_nudged,
+)
 
 SCORE = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=MAX_LOGPROBS)
 
@@ -262,9 +273,12 @@ def _outputs(result) -> tuple:
 
 
 def test_capabilities_say_where_positions_are_exact(tiny_checkpoint, checkpoint_dir):
-    """On by default on triton, off on torch (its C++ kernel is measured on one CPU so far), on a Gated
-    DeltaNet hybrid too (by replay buffers, which only exact positions allocate), never with invariance off."""
-    assert _engine(tiny_checkpoint, exact=None).capabilities.exact_positions is False
+    """On by default on both backends (torch: where its C++ kernels build, as here), off by default
+    with per-row decode, on a Gated DeltaNet hybrid too, never with invariance off."""
+    default = _engine(tiny_checkpoint, exact=None)
+    assert default.capabilities.exact_positions is True
+    assert default.model.ops.linear is default.model.ops.prefill_linear is IMPLEMENTATIONS["linear"]["fixed_order"]
+    assert _engine(tiny_checkpoint, exact=None, decode_per_row=True).capabilities.exact_positions is False
     assert _engine(tiny_checkpoint, exact=True).capabilities.exact_positions is True
     assert _engine(tiny_checkpoint, exact=True, batch_invariant=False).capabilities.exact_positions is False
     assert _engine(checkpoint_dir("qwen3.5"), exact=True).capabilities.exact_positions is True
@@ -274,3 +288,33 @@ def test_capabilities_say_where_positions_are_exact(tiny_checkpoint, checkpoint_
 def test_per_row_decode_needs_exact_positions_off(tiny_checkpoint):
     with pytest.raises(ValueError, match=r"decode_per_row'\]=True needs backend_options\['exact_positions'\]=False"):
         _engine(tiny_checkpoint, exact=True, decode_per_row=True)
+
+
+def test_without_a_compiler_the_torch_default_is_the_mkl_tiles_after_a_warning(tmp_path):
+    """Where the C++ kernels cannot be built, the torch backend warns once, naming why, and runs its
+    MKL-tile configuration (exact positions off); batched output still equals serial output."""
+    script = textwrap.dedent("""
+        import warnings
+        from pocketllm import LLM, EngineArgs, SamplingParams, write_checkpoint
+        path = write_checkpoint("ckpt", "tiny", seed=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            serial = LLM(EngineArgs(model=str(path), max_seq_len=128))
+        batched = LLM(EngineArgs(model=str(path), max_seq_len=128, backend_options={"enable_batching": True}))
+        params = SamplingParams(max_tokens=6, temperature=0.8, seed=3)
+        prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+        together = batched.generate(prompts, params)
+        alone = [serial.generate(p, params) for p in prompts]
+        print(serial.capabilities.exact_positions, serial.model.ops.linear.__name__)
+        print([(a.token_ids, a.logprobs) for a in alone] == [(t.token_ids, t.logprobs) for t in together])
+        print([str(w.message) for w in caught if "C++ CPU kernels are unavailable" in str(w.message)])
+        batched.close()
+    """)
+    env = dict(os.environ, CXX="/nonexistent/c++", POCKETLLM_EXTENSIONS_DIR=str(tmp_path / "ext"),
+               PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    exact, same, warned = result.stdout.splitlines()
+    assert exact == "False linear_row_invariant" and same == "True"
+    assert "no C++ compiler '/nonexistent/c++'" in warned and warned.count("unavailable") == 1, warned

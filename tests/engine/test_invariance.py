@@ -12,26 +12,32 @@ import torch
 from helpers import budget, greedy_jobs, variant_params
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from planted import linear_row_count_dependent
 
 from pocketllm import LLM, EngineArgs, SamplingParams
-from pocketllm.lab.engine import MAX_SEQ_LEN, Engines, Job, mismatches
-from pocketllm.lab.engine import workloads as workloads_of
+from pocketllm.testing import Engines, Job, Workload, assert_batch_invariant, mismatches
+from pocketllm.testing.engines import MAX_SEQ_LEN
+from pocketllm.testing.planted import linear_row_count_dependent
+from pocketllm.testing.strategies import workloads as workloads_of
 
 VOCAB = 256  # the tiny preset
 workloads = workloads_of(VOCAB)
 
 
-# (checkpoint variant, backend options): both decode strategies of the torch backend's linear layers.
+# (checkpoint variant, backend options): the torch backend's configurations, its C++ kernels (the
+# default) and, without exact positions, the MKL tiles (what runs without a C++ compiler) and per-row
+# decode.
 ENGINE_VARIANTS = {"tiny": ("tiny", {}), "untied_gqa4_bias": ("untied_gqa4_bias", {}), "qwen3.5": ("qwen3.5", {}),
                    "qwen3.5_mm_untied": ("qwen3.5_mm_untied", {}),
-                   "tiny_per_row": ("tiny", {"decode_per_row": True, "exact_positions": False}),
-                   "qwen3.5_per_row": ("qwen3.5", {"decode_per_row": True, "exact_positions": False}),
+                   "tiny_mkl_tiles": ("tiny", {"exact_positions": False}),
+                   "qwen3.5_mkl_tiles": ("qwen3.5", {"exact_positions": False}),
+                   "tiny_per_row": ("tiny", {"decode_per_row": True}),
+                   "qwen3.5_per_row": ("qwen3.5", {"decode_per_row": True}),
                    # Mixtures of experts at the full budget (test_invariance_moe.py runs them by default)
                    "qwen3-moe": ("qwen3-moe", {}), "qwen3.5-moe_mm_per_expert": ("qwen3.5-moe_mm_per_expert", {})}
 
 
 @pytest.fixture(scope="module", params=variant_params(ENGINE_VARIANTS, {"untied_gqa4_bias", "qwen3.5_mm_untied",
+                                                                      "qwen3.5_mkl_tiles", "tiny_per_row",
                                                                       "qwen3.5_per_row", "qwen3-moe",
                                                                       "qwen3.5-moe_mm_per_expert"}))
 def engines(request, checkpoint_dir):
@@ -46,13 +52,12 @@ def engines(request, checkpoint_dir):
 @given(workload=workloads)
 def test_batched_equals_serial_bitwise(engines, workload):
     """Every request's tokens and logprobs equal its serial run, whatever shares its batches."""
-    jobs_, max_batch_size = workload
-    assert mismatches(engines, jobs_, max_batch_size) == []
+    assert_batch_invariant(engines, workload)
 
 
 def test_negative_control_a_row_count_dependent_linear(tiny_checkpoint):
     """With a linear whose rows round differently from 4 rows up (a defect planted by construction,
-    tests/planted.py, so it is there on every CPU) the same property fails: the check above has
+    pocketllm.testing.planted, so it is there on every CPU) the same property fails: the check above has
     teeth. Whether the host BLAS alone would break invariance is the start-up probe's business.
     Passes when it finds a counterexample."""
     engines = Engines(tiny_checkpoint, invariance_probe=False,
@@ -60,7 +65,7 @@ def test_negative_control_a_row_count_dependent_linear(tiny_checkpoint):
     rng = random.Random(0)
     try:
         for _ in range(30):
-            if mismatches(engines, greedy_jobs(rng, VOCAB), max_batch_size=8):
+            if mismatches(engines, Workload(greedy_jobs(rng, VOCAB), max_batch_size=8)):
                 return
         pytest.fail("no counterexample with a row-count dependent linear: the property cannot see it")
     finally:
@@ -99,12 +104,16 @@ def test_background_thread_with_concurrent_submitters(engines):
             assert (result.token_ids, result.logprobs) == engines.serial_output(workload[index]), index
 
 
-@pytest.mark.parametrize("preset,per_row", [("small", False), ("qwen3.5-small", False), ("small", True)])
-def test_batched_equals_serial_at_realistic_width(tmp_path, preset, per_row):
+REALISTIC = [("small", {}), ("qwen3.5-small", {}), ("small", {"exact_positions": False}),
+             ("small", {"decode_per_row": True})]
+
+
+@pytest.mark.parametrize("preset,strategy", REALISTIC)
+def test_batched_equals_serial_at_realistic_width(tmp_path, preset, strategy):
     """The contract at the widths of the benchmark presets (hidden 512, vocabulary 32000), where
     tensors are large enough for the CPU kernels to split work across threads: 10 mixed requests,
     long enough prompts for multi-threaded prefill, through 4 slots, equal to their serial runs;
-    with both decode strategies of the linear layers."""
+    on the C++ kernels (the default), the MKL tiles and per-row decode."""
     from pocketllm import write_checkpoint
 
     path = write_checkpoint(tmp_path / preset, preset, seed=9)
@@ -114,7 +123,6 @@ def test_batched_equals_serial_at_realistic_width(tmp_path, preset, per_row):
                              top_k=rng.choice([0, 50]), top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(2**64),
                              ignore_eos=True)
               for _ in prompts]
-    strategy = {"decode_per_row": per_row, "exact_positions": not per_row}
     serial = LLM(EngineArgs(model=str(path), max_seq_len=192, backend_options=strategy)).generate(
         prompt_tokens=prompts, sampling_params=params)
     options = {"enable_batching": True, "max_batch_size": 4, "background_thread": False, **strategy}
@@ -134,14 +142,15 @@ def realistic_engines(tmp_path_factory):
     engines.close()
 
 
-realistic_workloads = st.tuples(
+realistic_workloads = st.builds(
+    Workload,
     st.lists(st.builds(Job, prompt=st.lists(st.integers(0, 31999), min_size=1, max_size=150).map(tuple),
                        params=st.builds(SamplingParams, max_tokens=st.integers(1, 6),
                                         temperature=st.sampled_from([0.0, 0.9]), top_k=st.sampled_from([0, 50]),
                                         top_p=st.sampled_from([1.0, 0.9]), seed=st.integers(0, 2**64 - 1),
                                         ignore_eos=st.just(True)),
                        arrival_step=st.integers(0, 4), cancel_step=st.none()),
-             min_size=2, max_size=6),
+             min_size=2, max_size=6).map(tuple),
     st.integers(2, 6))
 
 
@@ -151,8 +160,7 @@ realistic_workloads = st.tuples(
 def test_batched_equals_serial_property_at_realistic_width(realistic_engines, workload):
     """The property at hidden size 512 with prompts past 100 tokens: prefills that span several
     row tiles and multi-threaded kernels; every request equals its serial run bit for bit."""
-    jobs_, max_batch_size = workload
-    assert mismatches(realistic_engines, jobs_, max_batch_size) == []
+    assert_batch_invariant(realistic_engines, workload)
 
 
 # The Triton backend, kernels and all: compiled on CUDA, interpreted (slowly: about a second a
@@ -176,5 +184,4 @@ def triton_engines(request, checkpoint_dir):
 @given(workload=workloads_of(VOCAB, max_prompt=16, max_jobs=4, max_tokens=6))
 def test_triton_backend_batched_equals_serial_bitwise(triton_engines, workload):
     """The contract on the Triton backend: every request equals its serial run, bit for bit."""
-    jobs_, max_batch_size = workload
-    assert mismatches(triton_engines, jobs_, max_batch_size) == []
+    assert_batch_invariant(triton_engines, workload)

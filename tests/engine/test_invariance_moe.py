@@ -18,12 +18,13 @@ import random
 import pytest
 from helpers import budget, greedy_jobs, variant_params
 from hypothesis import given, settings
-from planted import moe_grouping_order
 from test_exact_positions import _engine, _mismatch
 from test_exact_positions_hybrid import _fresh_slots, sequences
 
 from pocketllm import SamplingParams
-from pocketllm.lab.engine import Engines, Job, mismatches, preemption_workloads, prefix_workloads, workloads
+from pocketllm.testing import Engines, Job, Workload, assert_batch_invariant, mismatches
+from pocketllm.testing.planted import moe_grouping_order
+from pocketllm.testing.strategies import preemption_workloads, prefix_workloads, workloads
 
 VOCAB = 256  # the tiny presets
 MAX_SEQ_LEN = 224
@@ -44,22 +45,19 @@ def engines(request, checkpoint_dir):
 @settings(max_examples=budget(0.25))
 @given(workload=workloads(VOCAB, max_jobs=8, max_tokens=12))
 def test_moe_batched_equals_serial_bitwise(engines, workload):
-    jobs, max_batch_size = workload
-    assert mismatches(engines, jobs, max_batch_size) == []
+    assert_batch_invariant(engines, workload)
 
 
 @settings(max_examples=budget(0.25))
 @given(workload=prefix_workloads(VOCAB, max_jobs=6))
 def test_moe_chunked_and_reused_equals_cold_serial_bitwise(engines, workload):
-    jobs, max_batch_size, schedule = workload
-    assert mismatches(engines, jobs, max_batch_size, schedule) == []
+    assert_batch_invariant(engines, workload)
 
 
 @settings(max_examples=budget(0.1))
 @given(workload=preemption_workloads(VOCAB, max_prompt=130, max_jobs=6, max_tokens=12))
 def test_moe_preempted_and_prioritised_equals_uninterrupted_serial_bitwise(engines, workload):
-    jobs, max_batch_size, schedule = workload
-    assert mismatches(engines, jobs, max_batch_size, schedule) == []
+    assert_batch_invariant(engines, workload)
 
 
 @settings(max_examples=budget(0.1))
@@ -104,20 +102,20 @@ def test_moe_triton_backend_batched_equals_serial_bitwise(checkpoint_dir, varian
                     SamplingParams(max_tokens=rng.randint(2, 4), temperature=rng.choice([0.0, 0.8]),
                                    seed=rng.randrange(2**32), ignore_eos=True),
                     arrival_step=rng.randint(0, 2), cancel_step=None) for _ in range(4)]
-        assert mismatches(engines, jobs, 3) == []
+        assert_batch_invariant(engines, Workload(tuple(jobs), 3))
     finally:
         engines.close()
 
 
 def test_negative_control_contributions_summed_in_grouping_order(checkpoint_dir):
     """A moe that sums a token's contributions in the order its batch's expert groups are visited
-    (tests/planted.py) fails the batched == serial property: the check has teeth."""
+    (pocketllm.testing.planted) fails the batched == serial property: the check has teeth."""
     engines = Engines(checkpoint_dir("qwen3-moe"), invariance_probe=False,
                       engine_args={"op_overrides": {"moe": moe_grouping_order}})
     rng = random.Random(0)
     try:
         for _ in range(20):
-            if mismatches(engines, greedy_jobs(rng, VOCAB, max_tokens=12, max_jobs=6), max_batch_size=6):
+            if mismatches(engines, Workload(greedy_jobs(rng, VOCAB, max_tokens=12, max_jobs=6), max_batch_size=6)):
                 return
         pytest.fail("no counterexample with contributions summed in grouping order: the property cannot see it")
     finally:

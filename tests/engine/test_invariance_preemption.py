@@ -13,7 +13,8 @@ from helpers import budget, variant_params
 from hypothesis import given, settings
 
 from pocketllm import LLM, EngineArgs, SamplingParams, SwapSpaceError
-from pocketllm.lab.engine import Engines, Job, Schedule, mismatches, preemption_workloads
+from pocketllm.testing import Engines, Job, Schedule, Workload, assert_batch_invariant
+from pocketllm.testing.strategies import preemption_workloads
 
 VOCAB = 256
 MAX_SEQ_LEN = 192
@@ -33,8 +34,7 @@ def engines(request, checkpoint_dir):
 @settings(max_examples=budget())
 @given(workload=preemption_workloads(VOCAB, max_prompt=130, max_jobs=6, max_tokens=12))
 def test_preempted_and_prioritised_equals_uninterrupted_serial_bitwise(engines, workload):
-    jobs, max_batch_size, schedule = workload
-    assert mismatches(engines, jobs, max_batch_size, schedule) == []
+    assert_batch_invariant(engines, workload)
 
 
 def _engine(path, **options) -> LLM:
@@ -176,7 +176,7 @@ def test_jobs_with_priorities_and_preemptions_through_the_lab(checkpoint_dir):
         # Swapped out at steps 2 and 5 (back in the step after each), then by the urgent job.
         jobs = [Job(tuple(range(1, 40)), _params(16, 1), 0, None, priority=1, preempt_steps=(2, 5)),
                 Job((7, 8, 9), _params(4, 2), 8, None, priority=0)]
-        assert mismatches(engines, jobs, 1, Schedule(64, 64, 0, True)) == []
+        assert_batch_invariant(engines, Workload(tuple(jobs), 1, Schedule(64, 64, 0, True)))
         assert engines.scheduler(1).get_stats().preemptions == 3
     finally:
         engines.close()

@@ -13,17 +13,23 @@ import pocketllm.llm
 from pocketllm import LLM, EngineArgs
 from pocketllm.kernels import torch_ops
 from pocketllm.kernels.gated_delta_prefill import gated_delta_prefill_recurrent
-from pocketllm.kernels.linear import linear_ref, linear_row_invariant
+from pocketllm.kernels.linear import linear_fixed_order, linear_ref, linear_row_invariant
 from pocketllm.kernels.prefill_linear import prefill_linear_row_invariant
 from pocketllm.kernels.probe import PROBE_PREFILL_ROWS, PROBE_ROWS, ROLL, GatedDeltaProbe, probe_row_invariance
 
 
+@pytest.mark.parametrize("exact,linear,prefill_linear", [
+    (None, linear_fixed_order, linear_fixed_order),  # the default: the C++ kernel
+    (False, linear_row_invariant, prefill_linear_row_invariant),  # the MKL tiles
+])
 @pytest.mark.parametrize("variant", ["untied_gqa4_bias", "qwen3.5_mm_untied"])
-def test_engine_probes_every_weight_shape_and_reports_invariant(checkpoint_dir, variant):
-    llm = LLM(EngineArgs(model=str(checkpoint_dir(variant)), max_seq_len=64))
+def test_engine_probes_every_weight_shape_and_reports_invariant(checkpoint_dir, variant, exact, linear,
+                                                                 prefill_linear):
+    llm = LLM(EngineArgs(model=str(checkpoint_dir(variant)), max_seq_len=64,
+                         backend_options={"exact_positions": exact}))
     report = llm.invariance_report
-    assert llm.model.ops.linear is linear_row_invariant, "the probe must test the linears the engine runs"
-    assert llm.model.ops.prefill_linear is prefill_linear_row_invariant
+    assert llm.model.ops.linear is linear, "the probe must test the linears the engine runs"
+    assert llm.model.ops.prefill_linear is prefill_linear
     *body, lm_head = llm.model.linear_weights()
     assert {f"linear {k}->{n}" for n, k in {tuple(w.shape) for w in [*body, lm_head]}} <= set(report.checks)
     assert {f"prefill_linear {k}->{n}" for n, k in {tuple(w.shape) for w in body}} <= set(report.checks)
@@ -38,7 +44,7 @@ def _ops_with(**changes):
 
 def _probe(ops, weights, hidden=48, vocab=300):
     return probe_row_invariance(ops.linear, ops.prefill_linear, ops.rms_norm, ops.silu_and_mul, ops.sample,
-                                weights, torch.randn(vocab, hidden), hidden, vocab)
+                                weights, torch.randn(vocab, hidden), hidden, vocab, torch.float32)
 
 
 def _count_dependent(op):
@@ -76,7 +82,7 @@ def test_probe_with_exact_positions_finds_prefill_rows_that_differ_from_decode_r
 
     def probe(ops):
         return probe_row_invariance(ops.linear, ops.prefill_linear, ops.rms_norm, ops.silu_and_mul, ops.sample,
-                                    weights, torch.randn(300, 48), 48, 300, exact_positions=True)
+                                    weights, torch.randn(300, 48), 48, 300, torch.float32, exact_positions=True)
 
     assert probe(exact).ok
     report = probe(dataclasses.replace(exact, prefill_linear=lambda x, w, b=None: torch.nextafter(
@@ -109,7 +115,8 @@ def test_probe_finds_a_cut_dependent_gated_delta_rule():
 
     def probe(op):
         return probe_row_invariance(exact.linear, exact.prefill_linear, exact.rms_norm, exact.silu_and_mul,
-                                    exact.sample, weights, torch.randn(300, 48), 48, 300, exact_positions=True,
+                                    exact.sample, weights, torch.randn(300, 48), 48, 300, torch.float32,
+                                    exact_positions=True,
                                     gated_delta=GatedDeltaProbe(op, 1, 2, 16, 8, replay=False))
 
     assert exact.gated_delta_prefill is gated_delta_prefill_recurrent

@@ -17,25 +17,33 @@ import pytest
 import torch
 from helpers import budget, variant_params
 from hypothesis import given, settings
-from planted import gated_delta_prefill_first_row_nudged, prefill_attention_first_row_nudged
 
 from pocketllm import SamplingParams
-from pocketllm.lab.engine import Engines, Job, Schedule, mismatches, prefix_workloads, run_batched
 from pocketllm.scheduler import PrefillPolicy
+from pocketllm.testing import Engines, Job, Schedule, Workload, assert_batch_invariant, mismatches, run_batched
+from pocketllm.testing.planted import (
+    BudgetCuts,
+    gated_delta_prefill_first_row_nudged,
+    prefill_attention_first_row_nudged,
+)
+from pocketllm.testing.strategies import prefix_workloads
 
 VOCAB = 256  # the tiny presets
 MAX_SEQ_LEN = 224  # prompts up to 200 tokens, 12 new ones
 
-# Qwen3 and Qwen3.5 (attention-only and hybrid), on both decode strategies of the torch backend.
+# Qwen3 and Qwen3.5 (attention-only and hybrid) on the torch backend's C++ kernels (exact positions:
+# pieces may be cut where a step's budget runs out), and without exact positions (pieces cut on the
+# request's grid only) on the MKL tiles and on per-row decode.
 VARIANTS = {"tiny": ("tiny", {}), "qwen3.5": ("qwen3.5", {}),
-            "tiny_per_row": ("tiny", {"decode_per_row": True, "exact_positions": False}),
+            "tiny_mkl_tiles": ("tiny", {"exact_positions": False}),
+            "tiny_per_row": ("tiny", {"decode_per_row": True}),
             "qwen3.5_mm_untied": ("qwen3.5_mm_untied", {}),
             # Mixtures of experts at the full budget (test_invariance_moe.py runs them by default)
             "qwen3-moe_per_expert": ("qwen3-moe_per_expert", {}), "qwen3.5-moe": ("qwen3.5-moe", {})}
 
 
 @pytest.fixture(scope="module", params=variant_params(VARIANTS, {"qwen3.5_mm_untied", "qwen3-moe_per_expert",
-                                                               "qwen3.5-moe"}))
+                                                               "qwen3.5-moe", "tiny_per_row"}))
 def engines(request, checkpoint_dir):
     variant, options = VARIANTS[request.param]
     engines = Engines(checkpoint_dir(variant), max_seq_len=MAX_SEQ_LEN, **options)
@@ -49,17 +57,16 @@ def engines(request, checkpoint_dir):
 def test_chunked_mixed_and_reused_equals_cold_serial_bitwise(engines, workload):
     """Random budgets, chunk sizes, snapshot intervals and reuse, shared system prompts, arrivals
     and cancellations: every request equals its cold serial run, bit for bit."""
-    jobs, max_batch_size, schedule = workload
-    assert mismatches(engines, jobs, max_batch_size, schedule) == []
+    assert_batch_invariant(engines, workload)
 
 
-def _system_prompt_jobs(rng: random.Random, systems: int = 2, jobs: int = 10) -> list[Job]:
+def _system_prompt_jobs(rng: random.Random, systems: int = 2, jobs: int = 10) -> tuple[Job, ...]:
     prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randint(130, 150))] for _ in range(systems)]
-    return [Job(tuple(prefixes[i % systems] + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]),
-                SamplingParams(max_tokens=rng.randint(2, 10), temperature=rng.choice([0.0, 0.8]),
-                               seed=rng.randrange(2**32), ignore_eos=True),
-                arrival_step=rng.randint(0, 6), cancel_step=None)
-            for i in range(jobs)]
+    return tuple(Job(tuple(prefixes[i % systems] + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]),
+                     SamplingParams(max_tokens=rng.randint(2, 10), temperature=rng.choice([0.0, 0.8]),
+                                    seed=rng.randrange(2**32), ignore_eos=True),
+                     arrival_step=rng.randint(0, 6), cancel_step=None)
+                 for i in range(jobs))
 
 
 @pytest.mark.parametrize("variant", ["tiny", "qwen3.5"])
@@ -71,9 +78,9 @@ def test_reuse_happens_from_retained_and_busy_slots(checkpoint_dir, variant):
     try:
         jobs = _system_prompt_jobs(random.Random(3))
         schedule = Schedule(chunk_size=64, snapshot_interval=64, budget_slack=0, prefix_reuse=True)
-        assert mismatches(engines, jobs, 3, schedule) == []
+        assert_batch_invariant(engines, Workload(jobs, 3, schedule))
         # Again, on the slots the first round left: every prompt now finds its system prompt.
-        assert mismatches(engines, jobs, 3, schedule) == []
+        assert_batch_invariant(engines, Workload(jobs, 3, schedule))
         stats = engines.scheduler(3).get_stats()
         assert stats.prefix_hits >= len(jobs) and stats.prefix_copies > 0
         assert stats.prefix_tokens_reused >= 128 * len(jobs)
@@ -84,19 +91,8 @@ def test_reuse_happens_from_retained_and_busy_slots(checkpoint_dir, variant):
         engines.close()
 
 
-class BudgetCuts(PrefillPolicy):
-    """Cuts a prompt after a share of the step's token budget: boundaries that move with the
-    budget, off the 64-token grid, which the contract forbids."""
-
-    def piece_end(self, done: int, prompt_len: int) -> int:
-        return min(prompt_len, done + self.max_piece(prompt_len))
-
-    def max_piece(self, max_seq_len: int) -> int:
-        return self.max_num_batched_tokens // 3
-
-
 # What makes a cut show in the bits, by construction on every machine (the torch ops are otherwise
-# split invariant or torch's choice; Qwen3.5's Gated DeltaNet runs token by token), tests/planted.py:
+# split invariant or torch's choice; Qwen3.5's Gated DeltaNet runs token by token), pocketllm.testing.planted:
 # a prefill op whose pieces round their first row differently, attention on Qwen3, the Gated DeltaNet
 # rule on Qwen3.5 (its one attention layer is the last, where a row's output reaches no other row).
 CUT_SENSITIVE = {"tiny": {"op_overrides": {"prefill_attention": prefill_attention_first_row_nudged}},
@@ -107,16 +103,16 @@ CUT_SENSITIVE = {"tiny": {"op_overrides": {"prefill_attention": prefill_attentio
 def test_negative_control_budget_dependent_cuts(checkpoint_dir, variant):
     """With cuts that depend on the budget the same comparison fails: the property has teeth on
     both model families. Passes when a counterexample is found."""
-    engines = Engines(checkpoint_dir(variant), max_seq_len=MAX_SEQ_LEN, engine_args=CUT_SENSITIVE[variant])
+    engines = Engines(checkpoint_dir(variant), max_seq_len=MAX_SEQ_LEN, engine_args=CUT_SENSITIVE[variant],
+                      exact_positions=False)  # with exact positions a budget cut is allowed: any cut is exact
     rng = random.Random(0)
     try:
         for _ in range(10):
-            jobs = [Job(tuple(rng.randrange(VOCAB) for _ in range(rng.randint(40, 200))),
-                        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), arrival_step=0,
-                        cancel_step=None) for _ in range(3)]
+            jobs = tuple(Job(tuple(rng.randrange(VOCAB) for _ in range(rng.randint(40, 200))),
+                             SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)) for _ in range(3))
             policy = BudgetCuts(max_num_batched_tokens=rng.choice([150, 200, 260]), chunk_size=0,
                                 snapshot_interval=0, prefix_reuse=False)
-            if mismatches(engines, jobs, 2, policy):
+            if mismatches(engines, Workload(jobs, 2, policy)):
                 return
         pytest.fail("budget-dependent cuts changed no output: the property cannot see them")
     finally:
@@ -128,7 +124,7 @@ def test_run_batched_runs_on_the_given_policy(checkpoint_dir):
     engines = Engines(checkpoint_dir("tiny"), max_seq_len=MAX_SEQ_LEN)
     try:
         policy = PrefillPolicy(max_num_batched_tokens=200, chunk_size=64)
-        run_batched(engines, [Job(tuple(range(150)), SamplingParams(max_tokens=1), 0, None)], 2, policy)
+        run_batched(engines, Workload((Job(tuple(range(150)), SamplingParams(max_tokens=1)),), 2, policy))
         scheduler = engines.scheduler(2)
         assert scheduler.policy is policy and scheduler.get_stats().prefill_chunks == 3
     finally:
@@ -151,5 +147,4 @@ def triton_engines(request, checkpoint_dir):
 @settings(max_examples=TRITON_EXAMPLES)
 @given(workload=prefix_workloads(VOCAB, max_prompt=100, max_jobs=3, max_tokens=3))
 def test_triton_backend_chunked_and_reused_equals_cold_serial(triton_engines, workload):
-    jobs, max_batch_size, schedule = workload
-    assert mismatches(triton_engines, jobs, max_batch_size, schedule) == []
+    assert_batch_invariant(triton_engines, workload)

@@ -29,7 +29,6 @@ from kernel_cases import randn as _randn
 from kernel_cases import threads as threads  # the fixture
 from kernel_impls import DEVICE, implementation
 from kernel_tolerances import assert_close
-from planted import linear_row_count_dependent
 
 from pocketllm.kernels.linear import (
     DECODE_ROW_TILE,
@@ -40,6 +39,7 @@ from pocketllm.kernels.linear import (
     linear_row_invariant,
 )
 from pocketllm.kernels.prefill_linear import prefill_linear_row_invariant
+from pocketllm.testing.planted import linear_row_count_dependent
 
 linear_impl = implementation("linear")
 

@@ -9,6 +9,9 @@
   row is the same as computed alone and as the documented order, for row counts around the row
   groups (8 rows on AVX-512, 6 on AVX2), K across several blocks with a tail, N across several blocks
   of columns and not a multiple of the tile, with and without a bias, at 1 and 2 threads;
+- bf16 weights (widened to fp32 as they are loaded): the bits of the same weights widened beforehand,
+  for any row count (direct and packed tiles), K with and without a tail, both variants; the avx2
+  implementation registered beside the default gives the default's bits;
 - a negative control: the same bitwise check tells a K-split reduction from the kernel's;
 - without a compiler (or with a broken one) the loader warns once, naming why, and returns None,
   and the op raises instead of falling back.
@@ -28,7 +31,7 @@ import torch.nn.functional as F
 from kernel_cases import threads as threads  # the fixture
 
 from pocketllm.kernels.cpu.extension import load_extension
-from pocketllm.kernels.linear import linear_fixed_order
+from pocketllm.kernels.linear import linear_fixed_order, linear_fixed_order_avx2
 from pocketllm.kernels.registry import IMPLEMENTATIONS
 
 EXT = load_extension()
@@ -84,6 +87,8 @@ def test_the_op_is_registered_and_handles_dtypes_and_empty_batches():
         linear_fixed_order(x.double(), w.double())
     with pytest.raises(ValueError, match="fp32"):
         EXT.linear(x.half(), w.half())
+    with pytest.raises(ValueError, match="bf16 under fp32 x"):
+        linear_fixed_order(x.half(), w.bfloat16())
     with pytest.raises(ValueError, match="K=33"):
         linear_fixed_order(x[:, :5], w)
 
@@ -156,7 +161,7 @@ def test_without_a_compiler_the_loader_warns_once_and_returns_none(tmp_path):
     script = textwrap.dedent("""
         import os, warnings
         from pocketllm.kernels.cpu import extension
-        from pocketllm.kernels.linear import linear_fixed_order
+        from pocketllm.kernels.linear import linear_fixed_order, linear_fixed_order_avx2
         for cxx in ("/nonexistent/c++", "/bin/false"):
             os.environ["CXX"] = cxx
             with warnings.catch_warnings(record=True) as caught:
@@ -176,3 +181,35 @@ def test_without_a_compiler_the_loader_warns_once_and_returns_none(tmp_path):
     assert lines[1].startswith("/bin/false True 1 ") and "the build failed" in lines[1], lines[1]
     assert lines[2].startswith("raised linear 'fixed_order' needs pocketllm's C++ CPU kernels: the build failed"), \
         lines[2]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 15, 16, 40])
+@pytest.mark.parametrize("k", [5, 16, 83, 1024])
+def test_bf16_weights_give_the_bits_of_the_same_weights_in_fp32(variant, m, k):
+    """A bf16 W is widened exactly as it is loaded, so the order runs on the same fp32 values: bitwise
+    the product with W.float(), by the direct tiles (below 16 rows) and the packed ones."""
+    x, w, b = _data(m, 61, k, seed=m * k)
+    narrow = w.bfloat16()
+    got = EXT.linear(x, narrow, b, variant)
+    assert torch.equal(got, EXT.linear(x, narrow.float(), b, variant))
+    torch.testing.assert_close(got.double(), x.double() @ narrow.double().T + b.double(), atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_weights_under_narrow_rows_round_once():
+    """Rows in bf16 (an engine in bf16) over bf16 weights: widened, multiplied in the fixed order,
+    rounded once to bf16."""
+    x, w, b = _data(5, 30, 40, seed=9)
+    x16, w16, b16 = x.bfloat16(), w.bfloat16(), b.bfloat16()
+    got = linear_fixed_order(x16, w16, b16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, EXT.linear(x16.float(), w16.float(), b16.float()).bfloat16())
+
+
+def test_the_avx2_implementation_is_registered_and_gives_the_default_bits():
+    assert IMPLEMENTATIONS["linear"]["fixed_order_avx2"] is linear_fixed_order_avx2
+    assert IMPLEMENTATIONS["prefill_linear"]["fixed_order_avx2"] is linear_fixed_order_avx2
+    for m in (1, 4, 33):
+        x, w, b = _data(m, 40, 100, seed=m)
+        assert torch.equal(linear_fixed_order_avx2(x, w, b), linear_fixed_order(x, w, b))
+        assert torch.equal(linear_fixed_order_avx2(x, w.bfloat16(), b), linear_fixed_order(x, w.bfloat16(), b))

@@ -4,9 +4,9 @@ planted by construction, tests/planted.py, so the lab catches them on every mach
 
 import torch
 import torch.nn.functional as F
-from planted import linear_row_count_dependent, prefill_attention_first_row_nudged
 
 from pocketllm.kernels.decode_attention import decode_attention_ref
+from pocketllm.testing.planted import linear_row_count_dependent, prefill_attention_first_row_nudged
 
 
 def silu_and_mul_split(gate_up: torch.Tensor) -> torch.Tensor:

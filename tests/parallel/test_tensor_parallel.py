@@ -24,11 +24,12 @@ from hypothesis import given, settings
 
 from pocketllm import LLM, EngineArgs, SamplingParams
 from pocketllm.config import ModelConfig
-from pocketllm.lab.engine import Engines, Job, Schedule, mismatches, preemption_workloads, prefix_workloads
 from pocketllm.models.loader import load_weights
 from pocketllm.models.registry import family_of
 from pocketllm.parallel.shard import local_config, shard_plan
 from pocketllm.parallel.tree import REDUCTION_SHARDS, SIZES, tree_sum
+from pocketllm.testing import Engines, Job, Schedule, Workload, assert_batch_invariant, mismatches
+from pocketllm.testing.strategies import preemption_workloads, prefix_workloads
 
 VOCAB = 256
 MAX_SEQ_LEN = 224
@@ -160,8 +161,7 @@ def engines(request, checkpoint_dir):
 def test_tp2_batched_equals_tp1_serial_bitwise(engines, workload):
     """Random budgets, chunk sizes, snapshot intervals, reuse, arrivals and cancellations at TP=2:
     every request's tokens and logprobs equal its cold serial run at TP=1, bit for bit."""
-    jobs, max_batch_size, schedule = workload
-    assert mismatches(engines, jobs, max_batch_size, schedule) == []
+    assert_batch_invariant(engines, workload)
 
 
 @settings(max_examples=budget(0.05))
@@ -169,8 +169,7 @@ def test_tp2_batched_equals_tp1_serial_bitwise(engines, workload):
 def test_tp2_preempted_equals_tp1_serial_bitwise(engines, workload):
     """Priorities and forced preemptions at TP=2 (each rank swaps its shard out and back in):
     still the TP=1 serial bits."""
-    jobs, max_batch_size, schedule = workload
-    assert mismatches(engines, jobs, max_batch_size, schedule) == []
+    assert_batch_invariant(engines, workload)
 
 
 def _fixed_jobs(count: int = 4, longest: int = 90, new_tokens: int = 8) -> list[Job]:
@@ -189,7 +188,7 @@ def test_without_the_tree_tp2_differs_from_tp1(checkpoint_dir, variant):
                       **{**OPTIONS, "tree_reduction": False})
     try:
         schedule = Schedule(chunk_size=64, snapshot_interval=64, budget_slack=0, prefix_reuse=True)
-        assert mismatches(engines, _fixed_jobs(), 2, schedule) != []
+        assert mismatches(engines, Workload(tuple(_fixed_jobs()), 2, schedule)) != []
     finally:
         engines.close()
 
@@ -291,7 +290,7 @@ def test_the_probe_checks_that_a_ranks_block_of_columns_keeps_its_bits():
 
     def probe(linear, columns):
         return probe_row_invariance(linear, linear, ops.rms_norm, ops.silu_and_mul, ops.sample, body, lm_head, 64,
-                                    256, columns=columns)
+                                    256, torch.float32, columns=columns)
 
     assert probe(ops.linear, columns=True).ok
     assert probe(column_count_dependent, columns=False).ok
@@ -307,6 +306,6 @@ def test_triton_tp2_batched_equals_triton_tp1_serial(checkpoint_dir, variant):
                       batched_args=TP2, tree_reduction=True)
     try:
         schedule = Schedule(chunk_size=64, snapshot_interval=64, budget_slack=0, prefix_reuse=True)
-        assert mismatches(engines, _fixed_jobs(2, longest=70, new_tokens=4), 2, schedule) == []  # short: interpreted
+        assert_batch_invariant(engines, Workload(tuple(_fixed_jobs(2, longest=70, new_tokens=4)), 2, schedule))  # short
     finally:
         engines.close()

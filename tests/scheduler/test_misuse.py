@@ -61,14 +61,17 @@ def _force_tokens(llm: LLM, monkeypatch, tokens, fail_after: int | None = None) 
 
 # -- 1. a policy is validated wherever it is built; an admission that raises loses nothing -----------
 
-def test_configure_refuses_what_the_engine_refuses_at_start_up(checkpoint_dir):
-    with _batched(checkpoint_dir("qwen3.5")) as llm:
+@pytest.mark.parametrize("exact", [True, False])
+def test_configure_refuses_what_the_engine_refuses_at_start_up(checkpoint_dir, exact):
+    """Without exact positions a step must fit the longest piece beside a decode row per slot; with
+    them (pieces cut where the budget runs out) one token per slot."""
+    with _batched(checkpoint_dir("qwen3.5"), exact_positions=exact) as llm:
         s = llm.scheduler
         s.configure(PrefillPolicy(max_num_batched_tokens=256, chunk_size=64, snapshot_interval=64))
         with pytest.raises(ValueError, match="prefix_reuse on a model with recurrent states needs snapshot_interval"):
             s.configure(PrefillPolicy(max_num_batched_tokens=256, chunk_size=64, snapshot_interval=0))
-        with pytest.raises(ValueError, match="max_num_batched_tokens must be >= "):
-            s.configure(PrefillPolicy(max_num_batched_tokens=8, chunk_size=64, snapshot_interval=64))
+        with pytest.raises(ValueError, match=f"max_num_batched_tokens must be >= {2 if exact else 65} "):
+            s.configure(PrefillPolicy(max_num_batched_tokens=1 if exact else 8, chunk_size=64, snapshot_interval=64))
         with pytest.raises(TypeError, match="configure\\(\\) takes a PrefillPolicy, got dict"):
             s.configure({"chunk_size": 64})
         # The refused policies left the running one in place: a prompt over the reuse grid still reuses.

@@ -17,10 +17,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
 from pocketllm import LLM, EngineArgs, SamplingParams
-from pocketllm.lab.engine import Engines, Job, Schedule, mismatches, preemption_workloads
 from pocketllm.sampling import MAX_LOGPROBS
 from pocketllm.scheduler import BatchScheduler, Request
 from pocketllm.scheduler.stream import TokenDelta
+from pocketllm.testing import Engines, Job, Schedule, Workload, assert_batch_invariant, mismatches
+from pocketllm.testing.strategies import preemption_workloads
 
 from .test_state_machines import CallerDrivenMachine, _run
 
@@ -72,8 +73,7 @@ def _step_until(s, done, limit: int = 200) -> None:
 @settings(max_examples=budget())
 @given(workload=preemption_workloads(VOCAB, max_prompt=130, max_jobs=6, max_tokens=12, min_preempts=1))
 def test_recompute_preempted_and_prioritised_equals_uninterrupted_serial_bitwise(engines, workload):
-    jobs, max_batch_size, schedule = workload
-    assert mismatches(engines, jobs, max_batch_size, schedule) == []
+    assert_batch_invariant(engines, workload)
 
 
 # A request preempted at step 4 (max_batch_size 1: two prefill pieces, then 3 tokens sampled), then
@@ -85,7 +85,7 @@ FIXED = [Job(tuple(_prompt(70, 1)), _params(10, 1), 0, None, priority=1, preempt
 def test_the_lab_workload_preempts_by_recompute(engines):
     """What the property relies on: Job.preempt_steps and priorities preempt by recompute here."""
     before = engines.scheduler(1).get_stats()
-    assert mismatches(engines, FIXED, 1, Schedule(64, 64, 0, True)) == []
+    assert_batch_invariant(engines, Workload(tuple(FIXED), 1, Schedule(64, 64, 0, True)))
     after = engines.scheduler(1).get_stats()
     assert after.preemptions - before.preemptions == after.recomputes - before.recomputes == 2
     assert after.swapped_bytes == after.swap_bytes_held == 0
@@ -107,7 +107,7 @@ def test_negative_control_a_wrong_recompute_fails_the_property(engines, monkeypa
     """A recompute that re-prefills one generated token too few (the last one sampled again, a
     repeat) or every generated token one position late (other positions, another sampler seed)."""
     monkeypatch.setattr(Request, attr, mutant)
-    assert mismatches(engines, FIXED, 1, Schedule(64, 64, 0, True)) != []
+    assert mismatches(engines, Workload(tuple(FIXED), 1, Schedule(64, 64, 0, True))) != []
 
 
 @pytest.mark.slow

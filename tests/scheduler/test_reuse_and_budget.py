@@ -1,5 +1,6 @@
 """Prefix reuse and the token budget, checked directly rather than through the bits alone: a
-conversation reuses only what was prefilled (never positions written by decode steps), reuse
+conversation reuses only what was prefilled without exact positions (never positions written by
+decode steps; with them it reuses those too: tests/engine/test_exact_positions.py), reuse
 starts on the grid for attention-only models too, chained keys tell identical blocks at
 different depths apart, the least recently used free slot is the one given away, and no step
 feeds more than max_num_batched_tokens, decode rows included."""
@@ -28,10 +29,11 @@ def _greedy(n: int) -> SamplingParams:
 
 @pytest.mark.parametrize("variant", ["tiny", "qwen3.5"])
 def test_a_conversation_reuses_only_what_was_prefilled(checkpoint_dir, variant):
-    """Turn 2 extends turn 1's prompt and answer. Its first 140 tokens are in turn 1's slot, but
-    only the prompt's 100 were prefilled: reuse stops at 64 (the grid below 100), not 128."""
+    """Without exact positions, turn 2 extends turn 1's prompt and answer. Its first 140 tokens are in
+    turn 1's slot, but only the prompt's 100 were prefilled: reuse stops at 64 (the grid below 100),
+    not 128."""
     path = checkpoint_dir(variant)
-    llm = _engine(path)
+    llm = _engine(path, exact_positions=False)
     prompt = [(5 * i + 1) % 200 for i in range(100)]
     first = llm.generate(prompt, _greedy(40))
     second_prompt = prompt + first.token_ids + [7] * 30
@@ -39,7 +41,8 @@ def test_a_conversation_reuses_only_what_was_prefilled(checkpoint_dir, variant):
     stats = llm.scheduler.get_stats()
     assert (stats.prefix_hits, stats.prefix_tokens_reused) == (1, 64)
     cold = LLM(EngineArgs(model=str(path), max_seq_len=512, backend_options={
-        "prefill_chunk_size": GRID, "state_snapshot_interval": GRID})).generate(second_prompt, _greedy(4))
+        "prefill_chunk_size": GRID, "state_snapshot_interval": GRID, "exact_positions": False})).generate(
+        second_prompt, _greedy(4))
     assert (second.token_ids, second.logprobs) == (cold.token_ids, cold.logprobs)
     llm.close()
 

@@ -9,7 +9,9 @@
 //      s2[j] = s4[j] + s4[j+2], s = s2[0] + s2[1];
 //   4. then s + b[n] (when there is a bias), in fp32.
 // Nothing in it depends on M, the row's position, the thread count or the pointers' alignment
-// (unaligned loads throughout). Threads split output columns only, never K. The AVX-512 variant
+// (unaligned loads throughout). W may be bf16: each element is widened to fp32 exactly as it is
+// loaded (bf16 is the upper half of an fp32), so the order above runs on the same fp32 values and a
+// bf16 W gives bitwise the output of W.float(), at half the bytes read. Threads split output columns only, never K. The AVX-512 variant
 // holds the 16 lanes in one register, the AVX2 variant in two (lanes 0-7, 8-15), with the same
 // FMA sequence and the same tree, so both give the same bits. tile.h computes the outputs in one of
 // two loop orders, direct register tiles below PANEL_MIN_ROWS rows and packed, K-blocked tiles from
@@ -18,11 +20,24 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <thread>
+#include <type_traits>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
+
+// A bf16 weight element: the upper 16 bits of the fp32 with the same value.
+struct BF16 {
+  uint16_t bits;
+};
+
+// The first n (< 16) elements of p, then zeros: a tail step's bf16s, read without touching memory past p + n.
+static inline void copy_tail(const BF16* p, int n, BF16* buffer) {
+  std::memset(buffer, 0, 16 * sizeof(BF16));
+  std::memcpy(buffer, p, size_t(n) * sizeof(BF16));
+}
 
 namespace avx512 {
 #pragma GCC push_options
@@ -32,11 +47,20 @@ struct Lanes {
   // Register tiles: up to 8 rows x 3 columns (24 accumulators of 32 registers); 1-2 rows (decode)
   // take 8 columns, more streams of W in flight.
   static constexpr int ROWS = 8;
-  static constexpr int cols(int rows) { return rows <= 2 ? 8 : 3; }
+  static constexpr int cols(int rows) { return rows == 1 ? 1 : rows == 2 ? 8 : 3; }
   static inline V zero() { return _mm512_setzero_ps(); }
   static inline V load(const float* p) { return _mm512_loadu_ps(p); }
   static inline V load_tail(const float* p, int n) {
     return _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1u), p);
+  }
+  static inline V load(const BF16* p) {  // 16 bf16s widened: each 16 bits shifted to the top of a lane
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static inline V load_tail(const BF16* p, int n) {
+    BF16 buffer[16];
+    copy_tail(p, n, buffer);
+    return load(buffer);
   }
   static inline V fma(V a, V b, V acc) { return _mm512_fmadd_ps(a, b, acc); }
   static inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
@@ -105,6 +129,16 @@ struct Lanes {
     return {_mm256_maskload_ps(p, _mm256_castps_si256(mask(n))),
             _mm256_maskload_ps(p + 8, _mm256_castps_si256(mask(n - 8)))};
   }
+  static inline __m256 widen(const BF16* p) {  // 8 bf16s
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static inline V load(const BF16* p) { return {widen(p), widen(p + 8)}; }
+  static inline V load_tail(const BF16* p, int n) {
+    BF16 buffer[16];
+    copy_tail(p, n, buffer);
+    return load(buffer);
+  }
   static inline V fma(V a, V b, V acc) {
     return {_mm256_fmadd_ps(a.lo, b.lo, acc.lo), _mm256_fmadd_ps(a.hi, b.hi, acc.hi)};
   }
@@ -148,17 +182,32 @@ struct Lanes {
 #pragma GCC pop_options
 }  // namespace avx2
 
-// One instruction set's kernels (tile.h).
-struct Variant {
-  void (*columns)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, const float*, float*, int64_t,
+// One instruction set's kernels (tile.h), for W of element type WT.
+template <typename WT>
+struct Kernels {
+  void (*columns)(const float*, int64_t, int64_t, const WT*, int64_t, int64_t, const float*, float*, int64_t,
                   int64_t, int64_t);
-  void (*pack_rows)(const float*, int64_t, int64_t, int64_t, int, float*);
-  void (*panel_columns)(const float*, int64_t, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t,
+  void (*panel_columns)(const float*, int64_t, int64_t, const WT*, int64_t, const float*, float*, int64_t, int64_t,
                         int64_t, float*, float*);
-  int panel_rows;
 };
-static constexpr Variant AVX512{avx512::columns, avx512::pack_rows, avx512::panel_columns, avx512::PANEL_ROWS};
-static constexpr Variant AVX2{avx2::columns, avx2::pack_rows, avx2::panel_columns, avx2::PANEL_ROWS};
+struct Variant {
+  Kernels<float> fp32;
+  Kernels<BF16> bf16;
+  void (*pack_rows)(const float*, int64_t, int64_t, int64_t, int, float*);
+  int panel_rows;
+
+  template <typename WT>
+  const Kernels<WT>& of() const {
+    if constexpr (std::is_same_v<WT, BF16>) return bf16;
+    else return fp32;
+  }
+};
+static constexpr Variant AVX512{{avx512::columns<float>, avx512::panel_columns<float>},
+                                {avx512::columns<BF16>, avx512::panel_columns<BF16>},
+                                avx512::pack_rows, avx512::PANEL_ROWS};
+static constexpr Variant AVX2{{avx2::columns<float>, avx2::panel_columns<float>},
+                              {avx2::columns<BF16>, avx2::panel_columns<BF16>},
+                              avx2::pack_rows, avx2::PANEL_ROWS};
 static_assert(avx512::PANEL_COLS == avx2::PANEL_COLS && avx512::PANEL_ROWS >= avx2::PANEL_ROWS,
               "one accumulator buffer fits both");
 
@@ -208,10 +257,50 @@ static int64_t panel_block_columns(int64_t K) {
   return std::max<int64_t>(48, std::min<int64_t>(avx512::PANEL_COLS, 96 * 1024 / std::max<int64_t>(K, 1) / 48 * 48));
 }
 
+// y = x @ W^T (+ b) into y, W's elements of type WT; x contiguous fp32 [M, K], W contiguous [N, K].
+template <typename WT>
+static void run(const Variant& variant, const float* xp, int64_t M, int64_t K, const WT* wp, int64_t N,
+                const float* bp, float* yp) {
+  const Kernels<WT>& v = variant.of<WT>();
+  const int64_t threads = at::get_num_threads();
+  if (M < PANEL_MIN_ROWS) {
+    const int64_t block = block_columns(K), blocks = (N + block - 1) / block;
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, std::min(blocks, threads), 1, [&](int64_t, int64_t) {
+      take_items(next, blocks, [&](int64_t i) {
+        v.columns(xp, M, K, wp, K, K, bp, yp, N, i * block, std::min(N, (i + 1) * block));
+      });
+    });
+    return;
+  }
+  const int64_t group = variant.panel_rows, groups = (M + group - 1) / group, steps = (K + 15) / 16;
+  const int64_t block = panel_block_columns(K), blocks = (N + block - 1) / block;
+  const int64_t acc = avx512::PANEL_ROWS * avx512::PANEL_COLS * 16;
+  at::Tensor packed = at::empty({groups * group * steps * 16}, at::kFloat);
+  float* pp = packed.data_ptr<float>();
+  std::atomic<int64_t> next_group{0}, packed_groups{0}, next_block{0};
+  // One parallel region (every region waits for all its threads to start): the threads pack x's
+  // groups, wait until all are packed, then compute blocks of columns.
+  at::parallel_for(0, std::min(blocks, threads), 1, [&](int64_t, int64_t) {
+    take_items(next_group, groups, [&](int64_t g) {
+      variant.pack_rows(xp, K, K, g * group, int(std::min(group, M - g * group)), pp + g * group * steps * 16);
+      ++packed_groups;
+    });
+    while (packed_groups.load() < groups) std::this_thread::yield();
+    const at::Tensor scratch = at::empty({acc + block * steps * 16}, at::kFloat);
+    float* sp = scratch.data_ptr<float>();
+    std::fill(sp, sp + acc, 0.0f);  // Lanes::sums reads the lanes past a narrow block's last column too
+    take_items(next_block, blocks, [&](int64_t i) {
+      v.panel_columns(pp, M, K, wp, K, bp, yp, N, i * block, std::min(N, (i + 1) * block), sp, sp + acc);
+    });
+  });
+}
+
 at::Tensor linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias,
                   const std::string& variant) {
-  TORCH_CHECK_VALUE(x.dtype() == at::kFloat && weight.dtype() == at::kFloat,
-                    "fixed_order linear takes fp32 x and weight, got ", x.dtype(), " and ", weight.dtype());
+  TORCH_CHECK_VALUE(x.dtype() == at::kFloat && (weight.dtype() == at::kFloat || weight.dtype() == at::kBFloat16),
+                    "fixed_order linear takes fp32 x and an fp32 or bf16 weight, got ", x.dtype(), " and ",
+                    weight.dtype());
   TORCH_CHECK_VALUE(x.device().is_cpu() && weight.device().is_cpu(), "fixed_order linear runs on the CPU");
   TORCH_CHECK_VALUE(x.dim() == 2 && weight.dim() == 2, "x must be [M, K] and weight [N, K]");
   TORCH_CHECK_VALUE(x.size(1) == weight.size(1), "x has K=", x.size(1), " but weight has K=", weight.size(1));
@@ -227,42 +316,12 @@ at::Tensor linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bia
   }
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
   const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  const int64_t threads = at::get_num_threads();
-  if (M < PANEL_MIN_ROWS) {
-    const int64_t block = block_columns(K), blocks = (N + block - 1) / block;
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, std::min(blocks, threads), 1, [&](int64_t, int64_t) {
-      take_items(next, blocks, [&](int64_t i) {
-        v.columns(xp, M, K, wp, K, K, bp, yp, N, i * block, std::min(N, (i + 1) * block));
-      });
-    });
-    return y;
-  }
-  const int64_t group = v.panel_rows, groups = (M + group - 1) / group, steps = (K + 15) / 16;
-  const int64_t block = panel_block_columns(K), blocks = (N + block - 1) / block;
-  const int64_t acc = avx512::PANEL_ROWS * avx512::PANEL_COLS * 16;
-  at::Tensor packed = at::empty({groups * group * steps * 16}, x.options());
-  float* pp = packed.data_ptr<float>();
-  std::atomic<int64_t> next_group{0}, packed_groups{0}, next_block{0};
-  // One parallel region (every region waits for all its threads to start): the threads pack x's
-  // groups, wait until all are packed, then compute blocks of columns.
-  at::parallel_for(0, std::min(blocks, threads), 1, [&](int64_t, int64_t) {
-    take_items(next_group, groups, [&](int64_t g) {
-      v.pack_rows(xp, K, K, g * group, int(std::min(group, M - g * group)), pp + g * group * steps * 16);
-      ++packed_groups;
-    });
-    while (packed_groups.load() < groups) std::this_thread::yield();
-    const at::Tensor scratch = at::empty({acc + block * steps * 16}, at::kFloat);
-    float* sp = scratch.data_ptr<float>();
-    std::fill(sp, sp + acc, 0.0f);  // Lanes::sums reads the lanes past a narrow block's last column too
-    take_items(next_block, blocks, [&](int64_t i) {
-      v.panel_columns(pp, M, K, wp, K, bp, yp, N, i * block, std::min(N, (i + 1) * block), sp, sp + acc);
-    });
-  });
+  if (weight.dtype() == at::kBFloat16)
+    run(v, x.data_ptr<float>(), M, K, reinterpret_cast<const BF16*>(weight.data_ptr<at::BFloat16>()), N, bp,
+        y.data_ptr<float>());
+  else
+    run(v, x.data_ptr<float>(), M, K, weight.data_ptr<float>(), N, bp, y.data_ptr<float>());
   return y;
 }
 

@@ -3,10 +3,12 @@
 // namespace that defines `Lanes` (16 logical fp32 lanes: zero, load, load_tail, fma, sum) and
 // under that instruction set's `#pragma GCC target`, so the same source yields both variants.
 // Every accumulator acc[r][c] is one output's 16 lanes; the tile shape only groups independent
-// outputs, so it never changes any output's order.
+// outputs, so it never changes any output's order. W's elements are `WT`: float, or BF16, which
+// Lanes::load widens to fp32 exactly (a bf16 is the top half of an fp32), so a bf16 W gives the
+// bits of the same W widened to fp32 beforehand.
 
-template <int R, int C>
-static void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K,
+template <int R, int C, typename WT>
+static void tile(const float* x, int64_t ldx, const WT* w, int64_t ldw, int64_t K,
                  const float* bias, float* y, int64_t ldy) {
   typename Lanes::V acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -39,8 +41,8 @@ static void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64
 
 // The tile of `rows` x `cols` (at most Lanes::ROWS x Lanes::cols(rows)), found by a search over the
 // instantiations: a few comparisons per tile, against a K loop of K / 16 steps.
-template <int R, int C>
-static void any_tile(int rows, int cols, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K,
+template <int R, int C, typename WT>
+static void any_tile(int rows, int cols, const float* x, int64_t ldx, const WT* w, int64_t ldw, int64_t K,
                      const float* bias, float* y, int64_t ldy) {
   if (rows == R && cols == C) {
     tile<R, C>(x, ldx, w, ldw, K, bias, y, ldy);
@@ -54,7 +56,8 @@ static void any_tile(int rows, int cols, const float* x, int64_t ldx, const floa
 // Output columns [n0, n1) of every row: for each group of up to ROWS rows, each group of up to
 // cols(rows) columns (the caller keeps [n0, n1) small enough for W's block to stay in cache while every
 // row group reads it). Which columns a call gets changes who computes a column, never how.
-static void columns(const float* x, int64_t M, int64_t ldx, const float* w, int64_t ldw, int64_t K,
+template <typename WT>
+static void columns(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t ldw, int64_t K,
                     const float* bias, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   for (int64_t m = 0; m < M; m += Lanes::ROWS) {
     const int rows = int(M - m < Lanes::ROWS ? M - m : Lanes::ROWS);
@@ -88,8 +91,9 @@ static constexpr int64_t PANEL_STEPS = 32;
 // The 16-lane steps of K, the zero-padded tail included.
 static inline int64_t steps_of(int64_t K) { return (K + 15) / 16; }
 
-// Step s of `src` (a row of K floats), zero-padded past K.
-static inline typename Lanes::V load_step(const float* src, int64_t K, int64_t s) {
+// Step s of `src` (a row of K floats or bf16s), as fp32, zero-padded past K.
+template <typename T>
+static inline typename Lanes::V load_step(const T* src, int64_t K, int64_t s) {
   return 16 * s + 16 <= K ? Lanes::load(src + 16 * s) : Lanes::load_tail(src + 16 * s, int(K - 16 * s));
 }
 
@@ -99,10 +103,11 @@ static void pack_rows(const float* x, int64_t ldx, int64_t K, int64_t m0, int ro
     for (int r = 0; r < rows; ++r) Lanes::store(xp + (s * rows + r) * 16, load_step(x + (m0 + r) * ldx, K, s));
 }
 
-// Columns [n0, n1) of W into wp (steps_of(K) * (n1 - n0) * 16 floats): the K block of steps [s0, s0 +
+// Columns [n0, n1) of W into wp (steps_of(K) * (n1 - n0) * 16 floats, widened to fp32): the K block of steps [s0, s0 +
 // steps) from wp + s0 * (n1 - n0) * 16, in it the tile of columns [n, n + cols) from + (n - n0) * steps
 // * 16, in it step s of column c at + (s * cols + c) * 16, so that every tile reads one stream.
-static void pack_columns(const float* w, int64_t ldw, int64_t K, int64_t n0, int64_t n1, float* wp) {
+template <typename WT>
+static void pack_columns(const WT* w, int64_t ldw, int64_t K, int64_t n0, int64_t n1, float* wp) {
   const int64_t S = steps_of(K);
   for (int64_t s0 = 0; s0 < S; s0 += PANEL_STEPS) {
     const int64_t steps = S - s0 < PANEL_STEPS ? S - s0 : PANEL_STEPS;
@@ -152,7 +157,8 @@ static PanelFn panel_fn(int rows, int cols, bool first) {
 // rows (group g at xp + g * PANEL_ROWS * steps_of(K) * 16). Scratch: acc, PANEL_ROWS * PANEL_COLS * 16
 // floats, zeroed (sums reads the lanes past a narrow block's last column too), and wp, PANEL_COLS *
 // steps_of(K) * 16 floats. Which columns a call gets changes who computes a column, never how.
-static void panel_columns(const float* xp, int64_t M, int64_t K, const float* w, int64_t ldw, const float* bias,
+template <typename WT>
+static void panel_columns(const float* xp, int64_t M, int64_t K, const WT* w, int64_t ldw, const float* bias,
                           float* y, int64_t ldy, int64_t n0, int64_t n1, float* acc, float* wp) {
   const int64_t S = steps_of(K), width = n1 - n0;
   const int narrow = int((width - 1) % PANEL_C) + 1;
