@@ -48,7 +48,10 @@ def _torch(implementations: Implementations, batch_invariant: bool, decode_per_r
     prefill and decode alike, exact along the sequence and faster than the references at real
     shapes (where it cannot be built: the references, chunked prefill with replay buffers when exact).
     Mixture-of-experts layers multiply each expert's rows, decode and prefill rows alike, in the decode
-    rows' fixed tiles (with `exact_positions`, by the C++ kernel).
+    rows' fixed tiles (with `exact_positions`, by the C++ kernel). RMSNorm (gated too),
+    SiLU-and-multiply, RoPE with the K/V write and the decode step's conv1d run one C++ call each
+    where it builds (the references' five to a dozen torch ops per call are most of a decode step's
+    time besides the products).
     `batch_invariant=False` makes the linear layers one plain GEMM call per batch (a negative
     control for the invariance tests, and a speed baseline)."""
     impls = dict.fromkeys(implementations, "ref")
@@ -63,6 +66,8 @@ def _torch(implementations: Implementations, batch_invariant: bool, decode_per_r
             impls.update(linear="fixed_order", prefill_linear="fixed_order", moe="fixed_order")
     if load_extension() is not None:  # else the references (chunked prefill; replay buffers when exact)
         impls.update(gated_delta_prefill="recurrent", gated_delta_decode="recurrent")
+        impls.update(rms_norm="own_order", silu_and_mul="own_order", rope_write_kv="own_order",
+                     rms_norm_gated="own_order", conv1d_decode="own_order")
     return impls
 
 

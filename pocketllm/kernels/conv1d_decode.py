@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from ._cases import conv_shared, conv_slot, decode_grid, rows
 from ._conv1d import BLOCK_C_STATE, _check_conv_args, conv1d_cost
 from ._triton import kernel_device_ok, tl, triton
+from .cpu.extension import load_extension
 from .pointwise import elementwise_invariant
 from .spec import Call, Layout, OpSpec, Step
 
@@ -30,6 +31,20 @@ def conv1d_decode_ref(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.
         acc = acc + windows[:, :, j] * w[:, j]
     conv_states[slot_ids] = windows[:, :, 1:].to(conv_states.dtype)
     return elementwise_invariant(F.silu, acc).to(x.dtype)
+
+
+def conv1d_decode_own_order(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
+                            slot_ids: torch.Tensor) -> torch.Tensor:
+    """The torch backend's op where pocketllm's C++ kernels build: the reference's arithmetic (the
+    taps' products and sums each rounded on its own, torch's scalar SiLU: the same bits, so a decoded
+    position keeps a prefilled one's) in one call of `kernels/cpu/rows.cpp`. fp32 CPU tensors;
+    elsewhere the reference."""
+    module = load_extension()
+    _check_conv_args(x, weight, conv_states)
+    if module is None or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (x, weight, conv_states)) \
+            or x.stride(-1) != 1 or not (weight.is_contiguous() and conv_states.is_contiguous()):
+        return conv1d_decode_ref(x, weight, conv_states, slot_ids)
+    return module.conv1d_decode_rows(x, weight, conv_states, slot_ids.long())
 
 
 @triton.jit
@@ -94,7 +109,8 @@ def _launches(step: Step) -> list[Call]:
     return [Call(step.name, lambda: (step.gdn_in_proj()[0], *step.conv_state(), step.batch.slot_ids))]
 
 
-OP = OpSpec("conv1d_decode", Conv1dDecode, {"ref": conv1d_decode_ref, "triton": conv1d_decode_triton}, order=100,
+OP = OpSpec("conv1d_decode", Conv1dDecode, {"ref": conv1d_decode_ref, "own_order": conv1d_decode_own_order,
+                                           "triton": conv1d_decode_triton}, order=100,
             cases=Layout(rows("x", "channels"), conv_slot, conv_shared,
                          [({"channels": c, "width": w}, decode_grid(lengths)) for c, w in ((8, 4), (300, 3))
                           for lengths in ([1], [5, 1, 9, 2])]),

@@ -10,6 +10,7 @@ import torch
 
 from ._cases import ROWS, randn, rows
 from ._triton import kernel_device_ok, tl, triton
+from .cpu.extension import load_extension
 from .spec import Call, Cost, Layout, OpSpec, Step, size
 
 
@@ -24,6 +25,18 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
+
+
+def rms_norm_own_order(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The torch backend's op where pocketllm's C++ kernels build: each row in one call of
+    `kernels/cpu/rows.cpp` (its sum of squares in the fixed order of the linear kernel), instead of the
+    reference's five torch ops per call, which dominate a decode step's small rows. fp32 CPU rows of
+    2 or 3 dimensions; elsewhere the reference (also row invariant, rounding differently)."""
+    module = load_extension()
+    if module is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" \
+            or x.dim() not in (2, 3) or x.stride(-1) != 1 or (x.dim() == 3 and x.stride(1) < x.shape[-1]):
+        return rms_norm_ref(x, weight, eps)
+    return module.rms_norm_rows(x, weight, float(eps))
 
 
 @triton.jit
@@ -83,7 +96,8 @@ def _cost(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Cost:
     return Cost(2 * size(x) + size(weight), 4 * x.numel())
 
 
-OP = OpSpec("rms_norm", RmsNorm, {"ref": rms_norm_ref, "triton": rms_norm_triton}, order=10, cases=Layout(
+OP = OpSpec("rms_norm", RmsNorm, {"ref": rms_norm_ref, "own_order": rms_norm_own_order, "triton": rms_norm_triton},
+            order=10, cases=Layout(
     rows("x", "hidden"), None,
     lambda gen, dims, dtype: {"weight": randn(gen, dims["hidden"], dtype=dtype), "eps": 1e-6},
     [({"hidden": h}, members) for h in (1, 24, 100) for members in ROWS]), launches=_launches, cost=_cost)

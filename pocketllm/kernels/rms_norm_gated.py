@@ -6,6 +6,7 @@ import torch
 
 from ._cases import ROWS, randn
 from ._triton import kernel_device_ok, tl, triton
+from .cpu.extension import load_extension
 from .pointwise import elementwise_invariant
 from .rms_norm import rms_norm_ref
 from .spec import Call, Cost, Layout, OpSpec, Step, size
@@ -22,6 +23,18 @@ def rms_norm_gated_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor
     then cast to x's dtype. x and gate [..., H]; rows are independent."""
     silu = elementwise_invariant(torch.nn.functional.silu, gate.float())
     return (rms_norm_ref(x, weight, eps).float() * silu).to(x.dtype)
+
+
+def rms_norm_gated_own_order(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The torch backend's op where pocketllm's C++ kernels build: `rms_norm_own_order`'s row times
+    torch's scalar SiLU of the gate, in one call of `kernels/cpu/rows.cpp`. fp32 CPU rows of 2 or 3
+    dimensions, gate of x's shape; elsewhere the reference."""
+    module = load_extension()
+    if module is None or any(t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1
+                             for t in (x, gate, weight)) or x.dim() not in (2, 3) or gate.shape != x.shape \
+            or any(t.dim() == 3 and t.stride(1) < t.shape[-1] for t in (x, gate)):
+        return rms_norm_gated_ref(x, gate, weight, eps)
+    return module.rms_norm_rows(x, weight, float(eps), gate)
 
 
 def _row_view(t: torch.Tensor) -> torch.Tensor:
@@ -99,7 +112,8 @@ def _cost(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float)
     return Cost(2 * size(x) + size(gate, weight), 9 * x.numel())
 
 
-OP = OpSpec("rms_norm_gated", RmsNormGated, {"ref": rms_norm_gated_ref, "triton": rms_norm_gated_triton}, order=130,
+OP = OpSpec("rms_norm_gated", RmsNormGated, {"ref": rms_norm_gated_ref, "own_order": rms_norm_gated_own_order,
+                                            "triton": rms_norm_gated_triton}, order=130,
             cases=Layout(
                 lambda gen, n, dims, dtype: {"x": randn(gen, n, dims["hidden"], dtype=dtype),
                                              "gate": randn(gen, n, dims["hidden"], dtype=dtype)}, None,

@@ -13,6 +13,7 @@ import torch
 
 from ._cases import HEADS, randn
 from ._triton import kernel_device_ok, tl, triton
+from .cpu.extension import load_extension
 from .rope import apply_rope_ref, rope_table
 from .spec import Call, Cost, Layout, OpSpec, Step, size
 
@@ -42,6 +43,21 @@ def rope_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     """
     write_kv_ref(k_cache, v_cache, apply_rope_ref(k, positions, cos, sin), v, token_slots, positions)
     return apply_rope_ref(q, positions, cos, sin)
+
+
+def rope_write_kv_own_order(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                            cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            token_slots: torch.Tensor) -> torch.Tensor:
+    """The torch backend's op where pocketllm's C++ kernels build: the reference's arithmetic (each
+    product and sum rounded on its own: the same bits) in one call of `kernels/cpu/rows.cpp` instead of
+    a dozen torch ops. fp32 CPU tensors with each token's heads contiguous; elsewhere the reference."""
+    module = load_extension()
+    tensors = (q, k, v, cos, sin, k_cache, v_cache)
+    if module is None or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors) \
+            or any(t.stride(-1) != 1 or t.stride(1) != t.shape[2] for t in (q, k, v)) \
+            or not all(t.is_contiguous() for t in (cos, sin, k_cache, v_cache)):
+        return rope_write_kv_ref(q, k, v, positions, cos, sin, k_cache, v_cache, token_slots)
+    return module.rope_write_kv_rows(q, k, v, positions, cos, sin, k_cache, v_cache, token_slots)
 
 
 # -- Triton ------------------------------------------------------------------------------------------
@@ -203,7 +219,8 @@ def _cost(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Te
     return Cost(2 * size(q) + size(k, v, positions, token_slots) + rows + cache_rows, 3 * rotated)
 
 
-OP = OpSpec("rope_write_kv", RopeWriteKv, {"ref": rope_write_kv_ref, "triton": rope_write_kv_triton}, order=20,
+OP = OpSpec("rope_write_kv", RopeWriteKv, {"ref": rope_write_kv_ref, "own_order": rope_write_kv_own_order,
+                                          "triton": rope_write_kv_triton}, order=20,
             cases=Layout(_case_tokens, _case_slots,
                          lambda gen, dims, dtype: dict(zip(("cos", "sin"), rope_table(dims["head_dim"],
                                                                                       dims["max_len"], 1e6))),

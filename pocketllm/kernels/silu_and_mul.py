@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from ._cases import ROWS, no_shared, rows
 from ._triton import kernel_device_ok, tl, triton
+from .cpu.extension import load_extension
 from .pointwise import elementwise_invariant
 from .spec import Call, Cost, Layout, OpSpec, Step, size
 
@@ -27,6 +28,17 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate first, then up) -> [T, I]; silu per element, whatever T (see pointwise.py)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return elementwise_invariant(F.silu, gate) * up
+
+
+def silu_and_mul_own_order(gate_up: torch.Tensor) -> torch.Tensor:
+    """The torch backend's op where pocketllm's C++ kernels build: one call of `kernels/cpu/rows.cpp`
+    with torch's scalar SiLU, g / (1 + exp(-g)), on every element (the reference's bits, without its
+    staging copy and three dispatches). fp32 CPU rows; elsewhere the reference."""
+    module = load_extension()
+    if module is None or gate_up.dtype != torch.float32 or gate_up.device.type != "cpu" or gate_up.dim() != 2 \
+            or gate_up.stride(-1) != 1:
+        return silu_and_mul_ref(gate_up)
+    return module.silu_and_mul_rows(gate_up)
 
 
 # -- Triton ------------------------------------------------------------------------------------------
@@ -75,7 +87,8 @@ def _cost(gate_up: torch.Tensor) -> Cost:
     return Cost(size(gate_up) + outputs * gate_up.element_size(), 5 * outputs)
 
 
-OP = OpSpec("silu_and_mul", SiluAndMul, {"ref": silu_and_mul_ref, "triton": silu_and_mul_triton}, order=50,
+OP = OpSpec("silu_and_mul", SiluAndMul, {"ref": silu_and_mul_ref, "own_order": silu_and_mul_own_order,
+                                         "triton": silu_and_mul_triton}, order=50,
             cases=Layout(rows("gate_up", "width2"), None, no_shared,
                          [({"width2": w}, members) for w in (2, 48, 2 * 1100) for members in ROWS]),
             launches=_launches, cost=_cost)

@@ -7,7 +7,9 @@ request at its best prefix placement, a preempted one swapped back in). A prompt
 the policy's request-local grid says, never where the budget runs out, so a long prompt does not
 stall the running requests for its whole prefill and its bits do not move; with exact positions
 (`cut_at_budget`), where a position's bits do not depend on the cut, a piece that does not fit is
-cut where the budget runs out instead of waiting for the next step. Before that, it preempts
+cut where the budget runs out instead of waiting for the next step; a new request's first piece
+only when no other prompt prefills in the step (else it waits for a step where it fits whole, so a
+burst of prompts sharing a system prompt finds it prefilled and reuses it). Before that, it preempts
 what must make room (preempt() asked for it, or a waiting request outranks a running one and
 no slot is free): by swap, its slot copied to host memory and back, or by recompute, its slot
 freed and its prompt and generated tokens prefilled again once readmitted (exact only with exact
@@ -77,8 +79,9 @@ class Planner:
                 work.append((request, piece))
         while self.waiting and self.slots.num_free > 0:
             request = self.waiting[0]
+            prefilling = any(item is not None and not item.decode for _, item in work)
             try:
-                if not self._admit(request, budget):
+                if not self._admit(request, budget, may_cut=not prefilling):
                     break
             except Exception as exc:  # it ends "error" (a slot it took is freed); the rest still run
                 self._fail_admission(request, exc)
@@ -99,11 +102,12 @@ class Planner:
             return piece
         return request.prefill_input(self.policy, limit=budget) if self.cut_at_budget and budget > 0 else None
 
-    def _fits(self, piece_len: int, budget: int) -> bool:
-        return piece_len <= budget or (self.cut_at_budget and budget > 0)
+    def _fits(self, piece_len: int, budget: int, may_cut: bool = True) -> bool:
+        return piece_len <= budget or (self.cut_at_budget and may_cut and budget > 0)
 
-    def _admit(self, request: Request, budget: int) -> bool:
-        """Move the first waiting request into a free slot if its next input fits in `budget`."""
+    def _admit(self, request: Request, budget: int, may_cut: bool) -> bool:
+        """Move the first waiting request into a free slot if its next input fits in `budget` (a
+        new prompt's first piece cut at the budget only when `may_cut`)."""
         if request.preempted_step == self.counters.steps:  # preempted this very step: not back yet
             return False
         if request.swapped is not None:
@@ -114,7 +118,7 @@ class Planner:
         else:
             tokens = request.prefill_tokens  # a request preempted by recompute reuses what it can of them too
             placement = self.slots.place(tokens, reuse=not request.scores_prompt)
-            if not self._fits(self.policy.piece_len(placement.reused, len(tokens)), budget):
+            if not self._fits(self.policy.piece_len(placement.reused, len(tokens)), budget, may_cut):
                 return False
             self.slots.admit(request, placement)
             if placement.reused:

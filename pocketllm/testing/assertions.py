@@ -83,7 +83,7 @@ def assert_scoring_matches_generation(llm: LLM, prompts: Sequence[Sequence[int]]
                 want_top = _pairs(sc.prompt_top_logprobs[at] if sc.prompt_top_logprobs is not None else None)
             if want != logprob or got_top != want_top:
                 what = (f"logprob {show(logprob)} generated, {show(want)} scored" if want != logprob else
-                        f"alternatives {got_top} generated, {want_top} scored")
+                        _first_alternative_difference(got_top, want_top))
                 details.append(f"prompt {index} ({len(prompt)} tokens): first difference at generated position "
                                f"{position} (token {token}, sequence position {at}): {what}")
                 break
@@ -92,6 +92,19 @@ def assert_scoring_matches_generation(llm: LLM, prompts: Sequence[Sequence[int]]
                f"{len(prompts)} prompts:", details,
                reproduction("assert_scoring_matches_generation(llm, prompts, params)", llm=_engine_source(llm),
                             prompts=repr(lists), params=repr(params)))
+
+
+def _first_alternative_difference(got: tuple[tuple[Any, ...], ...] | None,
+                                  want: tuple[tuple[Any, ...], ...] | None) -> str:
+    """Where two lists of (token, logprob) alternatives first differ, both entries with their bits."""
+    got, want = got or (), want or ()
+    rank = next(i for i in range(max(len(got), len(want)))
+                if i >= len(got) or i >= len(want) or got[i] != want[i])
+
+    def entry(pairs: tuple[tuple[Any, ...], ...]) -> str:
+        return "nothing" if rank >= len(pairs) else f"token {pairs[rank][0]}, logprob {show(pairs[rank][1])}"
+
+    return f"alternative {rank}: {entry(got)} generated, {entry(want)} scored"
 
 
 def _pairs(entry: Sequence[Sequence[Any]] | None) -> tuple[tuple[Any, ...], ...] | None:

@@ -90,16 +90,21 @@ def test_real_shapes_quick_writes_every_point(tmp_path, monkeypatch, single_torc
     monkeypatch.setenv("POCKETLLM_CACHE", str(tmp_path / "cache"))
     assert main(["--real-shapes", "--quick", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "real_shapes.json").read_text())
-    from pocketllm.bench.real_shapes import CONFIGS, GOALS
+    from pocketllm.bench.real_shapes import CONFIGS, GOALS, kernel_info
 
+    avx512 = kernel_info()["fixed_order"] == "avx512"
+    ran = [name for name, config in CONFIGS.items() if avx512 or not config.needs_avx512]
+    assert report["kernels"] == kernel_info() and report["machine"]["processor"]
     assert [m["preset"] for m in report["models"]] == ["tiny", "qwen3.5-tiny"]
     for model in report["models"]:
-        assert [p["engine"] for p in model["points"]] == ["transformers", *CONFIGS]
+        assert [p["engine"] for p in model["points"]] == ["transformers", "transformers (bf16)", *ran]
         for point in model["points"]:
             assert point["decode_tpot_s"] > 0 and point["batched_tokens_per_s"] > 0 and point["prefill_s"] > 0
+        bf16 = next(p for p in model["points"] if p["engine"] == "pocketllm (bf16 weights)")
+        assert 2 * bf16["bytes_per_token"] == model["bytes_per_token"]
         verdicts = model["verdicts"]
         assert set(GOALS) <= set(verdicts) and verdicts["bandwidth_limit_tokens_per_s"] > 0
-        assert set(verdicts["decode_1"]["ratio"]) == set(CONFIGS)
+        assert set(verdicts["decode_1"]["ratio"]) == set(ran)
     assert report["read_bandwidth_gb_s"] > 0
     assert "| batch-1 decode |" in (tmp_path / "real_shapes.md").read_text()
     assert (tmp_path / "real_shapes.png").read_bytes().startswith(PNG_SIGNATURE)

@@ -147,13 +147,13 @@ def test_real_shapes_on_cpu_run_torch_and_leave_triton_to_quick():
 def test_unknown_op_or_implementation_names_the_allowed_values(capsys):
     with pytest.raises(ValueError, match="unknown op 'layer_norm'; choose from rms_norm, rope_write_kv"):
         bench_op("layer_norm")
-    with pytest.raises(ValueError, match=r"one of \('ref', 'triton'\)"):
+    with pytest.raises(ValueError, match=r"one of \('ref', 'own_order', 'triton'\)"):
         bench_op("rms_norm", "fused")
     with pytest.raises(SystemExit) as exit_info:
         main(["layer_norm"])
     assert exit_info.value.code == 2 and "invalid choice: 'layer_norm'" in capsys.readouterr().err
     assert main(["rms_norm", "--vs", "nope"]) == 2
-    assert "implementation of rms_norm must be one of ('ref', 'triton')" in capsys.readouterr().err
+    assert "implementation of rms_norm must be one of ('ref', 'own_order', 'triton')" in capsys.readouterr().err
     assert main(["rms_norm", "--device", "gpu"]) == 2
     assert "--device must be 'cpu' or 'cuda[:index]', got 'gpu'" in capsys.readouterr().err
 

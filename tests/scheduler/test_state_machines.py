@@ -106,10 +106,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                             spec = ([9, 8], SamplingParams(max_tokens=2, temperature=0.0, seed=2))
                             self._collect_seen(self.s.generate([spec])[0], spec)
                         else:
-                            try:
+                            with contextlib.suppress(KeyError):  # a rule's poll on the main thread took it first
                                 self._collect(result.request_id, self.s.poll_result(result.request_id))
-                            except KeyError:  # a rule's poll on the main thread took it first
-                                pass
             except RuntimeError as exc:  # stopped meanwhile: refused, nothing queued
                 assert "stopped" in str(exc)
 

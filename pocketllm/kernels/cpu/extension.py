@@ -1,5 +1,5 @@
-"""Build and load the C++ CPU kernels (`linear.cpp`, `tile.h`, `gated_delta.cpp`, `attention.cpp`) once
-per process.
+"""Build and load the C++ CPU kernels (`linear.cpp`, `tile.h`, `gated_delta.cpp`, `attention.cpp`,
+`rows.cpp`) once per process.
 
 Built with `torch.utils.cpp_extension.load` on first use, into a directory named by a hash of the
 sources, the flags and the torch version (so an edit or a torch upgrade rebuilds, and nothing else
@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("linear.cpp", "tile.h", "gated_delta.cpp", "attention.cpp")
+SOURCES = ("linear.cpp", "tile.h", "gated_delta.cpp", "attention.cpp", "rows.cpp")
 # -ffp-contract=off: the source's FMAs are its intrinsics; the compiler fuses nothing else.
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)
@@ -82,7 +82,7 @@ def _key(root: Path | None) -> tuple[str, str, str]:
 
 def load_extension(root: Path | None = None) -> ModuleType | None:
     """The compiled module (functions `linear`, `best_variant`, `gated_delta_recurrent`,
-    `attention_rows`), or None
+    `attention_rows`, `rms_norm_rows`, `silu_and_mul_rows`, `rope_write_kv_rows`), or None
     after one warning naming why it cannot be built. Built at most once per process per build directory and compiler."""
     key = _key(root)
     if key not in _LOADED:

@@ -327,10 +327,12 @@ at::Tensor linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bia
 
 void register_gated_delta(pybind11::module& m);  // gated_delta.cpp
 void register_attention(pybind11::module& m);  // attention.cpp
+void register_rows(pybind11::module& m);  // rows.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_gated_delta(m);
   register_attention(m);
+  register_rows(m);
   m.def("linear", &linear, "y = x @ W^T (+ b) in the fixed reduction order", pybind11::arg("x"),
         pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("variant") = "");
   m.def("best_variant", &best_variant, "the instruction set the kernel runs by default");
