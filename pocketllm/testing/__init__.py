@@ -20,7 +20,6 @@ def test_my_attention_keeps_the_contract(pocketllm_engines, workload):
     engines = pocketllm_engines("tiny", engine_args={"op_overrides": {"decode_attention": "mypkg.attn:decode"}})
     assert_batch_invariant(engines, workload)
 ```
-Needs `hypothesis` (the `dev` extra, or `pip install hypothesis`).
 """
 
 from __future__ import annotations

@@ -111,3 +111,26 @@ def test_no_step_feeds_more_than_the_budget(tiny_checkpoint, monkeypatch):
     fed = [sum(len(tokens) for _, _, tokens in seqs) for _, seqs in recorder.calls]
     assert max(fed) <= budget
     assert any(any(kinds) and not all(kinds) for kinds in recorder.kinds)  # decode rows beside prefill pieces
+
+
+def test_with_exact_positions_a_new_prompt_is_cut_at_the_budget_only_when_nothing_else_prefills(
+        tiny_checkpoint, monkeypatch):
+    """Exact positions allow a piece to end where the step's budget does. A prompt already prefilling
+    is cut there; a new prompt too when nothing else prefills in the step (or it could wait for ever on
+    a budget below its chunk), but not beside another prompt's piece: then it waits for a step where
+    its first piece fits whole, so a burst of prompts that share a system prompt finds it in a slot.
+    Here: budget 100, chunks of 64, two 150-token prompts sharing their first 128 tokens."""
+    llm = _engine(tiny_checkpoint, exact_positions=True, max_num_batched_tokens=100, prefill_chunk_size=64,
+                  state_snapshot_interval=64)
+    shared = [(3 * i + 1) % 200 for i in range(128)]
+    recorder = RunRecorder(llm, monkeypatch)
+    first, second = llm.generate([shared + [5] * 22, shared + [9] * 22], _greedy(1))
+    pieces = [[(slot, start, len(tokens)) for slot, start, tokens in part] for part in recorder.prefills()]
+    slot_a = pieces[0][0][0]
+    assert pieces[:2] == [[(slot_a, 0, 64)], [(slot_a, 64, 64)]]  # the second prompt waits beside the first
+    assert llm.scheduler.get_stats().prefix_tokens_reused == 128  # ...and then finds the shared 128 tokens
+    alone = _engine(tiny_checkpoint, exact_positions=True, max_num_batched_tokens=40, prefill_chunk_size=64,
+                    state_snapshot_interval=64)
+    recorder = RunRecorder(alone, monkeypatch)
+    alone.generate([shared], _greedy(1))
+    assert [len(part[0][2]) for part in recorder.prefills()][:2] == [40, 24]  # alone: cut at the budget

@@ -18,7 +18,8 @@ static void tile(const float* x, int64_t ldx, const WT* w, int64_t ldw, int64_t 
     typename Lanes::V wv[C];
     for (int c = 0; c < C; ++c) wv[c] = Lanes::load(w + c * ldw + k);
     for (int r = 0; r < R; ++r) {
-      const typename Lanes::V xv = Lanes::load(x + r * ldx + k);
+      typename Lanes::V xv = Lanes::load(x + r * ldx + k);
+      if constexpr (C > 1) Lanes::in_register(xv);  // one load for C FMAs
       for (int c = 0; c < C; ++c) acc[r][c] = Lanes::fma(xv, wv[c], acc[r][c]);
     }
   }
