@@ -84,6 +84,8 @@ def plot_real_shapes(models: list[dict[str, Any]]) -> Figure:
                 ax.legend(fontsize=8)
             ax.set_title(f"{model['preset']}: {title}")
             ax.set_ylabel("tokens/s")
-            ax.tick_params(axis="x", labelsize=7)
+            ax.tick_params(axis="x", labelsize=7, labelrotation=30)
+            for label in ax.get_xticklabels():
+                label.set_horizontalalignment("right")
     fig.tight_layout()
     return fig
