@@ -7,6 +7,10 @@
 // Lanes::load widens to fp32 exactly (a bf16 is the top half of an fp32), so a bf16 W gives the
 // bits of the same W widened to fp32 beforehand.
 
+// How far ahead (elements of W) a one-row tile asks for W: a lone row streams W once, and the
+// hardware prefetcher alone left the lm_head at ~21 GB/s of ~29 (Intel Xeon, 2 threads).
+static constexpr int64_t PREFETCH_AHEAD = 512;
+
 template <int R, int C, typename WT>
 static void tile(const float* x, int64_t ldx, const WT* w, int64_t ldw, int64_t K,
                  const float* bias, float* y, int64_t ldy) {
@@ -17,6 +21,8 @@ static void tile(const float* x, int64_t ldx, const WT* w, int64_t ldw, int64_t 
   for (int64_t k = 0; k < k_full; k += 16) {
     typename Lanes::V wv[C];
     for (int c = 0; c < C; ++c) wv[c] = Lanes::load(w + c * ldw + k);
+    if constexpr (R == 1)  // a hint only: it changes no value
+      for (int c = 0; c < C; ++c) __builtin_prefetch(w + c * ldw + k + PREFETCH_AHEAD);
     for (int r = 0; r < R; ++r) {
       typename Lanes::V xv = Lanes::load(x + r * ldx + k);
       if constexpr (C > 1) Lanes::in_register(xv);  // one load for C FMAs
