@@ -253,13 +253,14 @@ def run(out: Path, quick: bool, seed: int, with_transformers: bool, plots: bool)
           f"{kernels['fixed_order'] or kernels['unavailable']}", flush=True)
     # A shared machine's memory bandwidth moves during a run: it is read before each model and at the
     # end, and the limit uses the best reading (the least flattering limit for the decode shares).
+    gib = 0.25 if quick else 1.0
     readings = []
     models = []
     for preset in size.presets:
-        readings.append(read_bandwidth(0.25 if quick else 1.0))
+        readings.append(read_bandwidth(gib))
         print(f"  streaming read: {readings[-1] / 1e9:.1f} GB/s", flush=True)
         models.append(measure_model(preset, size, seed, with_transformers))
-    readings.append(read_bandwidth(0.25 if quick else 1.0))
+    readings.append(read_bandwidth(gib))
     bandwidth = max(readings)
     print(f"  streaming read: {readings[-1] / 1e9:.1f} GB/s; the best of {len(readings)}: {bandwidth / 1e9:.1f} GB/s",
           flush=True)
