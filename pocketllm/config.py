@@ -7,13 +7,13 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from .config_fields import REQUIRED, CheckpointError, Fields, short
 from .kernels import backends
 from .kernels.registry import ImplSpec, check_overrides
 from .options import Options, parse_backend_options
@@ -94,17 +94,17 @@ def _check_engine_fields(args: EngineArgs) -> None:
     for name, allowed in (("backend", BACKENDS), ("dtype", tuple(DTYPES))):
         value = getattr(args, name)
         if not isinstance(value, str) or value not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, got {_short(value)}")
+            raise ValueError(f"{name} must be one of {allowed}, got {short(value)}")
     weight_dtypes = MIXED_WEIGHT_DTYPES.get(args.dtype, (args.dtype,))
     if args.weight_dtype is not None and args.weight_dtype not in weight_dtypes:
         raise ValueError(f"weight_dtype must be None or one of {weight_dtypes} with dtype {args.dtype!r}, got "
-                         f"{_short(args.weight_dtype)}")
+                         f"{short(args.weight_dtype)}")
     if isinstance(args.max_seq_len, bool) or not isinstance(args.max_seq_len, int) or args.max_seq_len < 2:
-        raise ValueError(f"max_seq_len must be an int >= 2, got {_short(args.max_seq_len)}")
+        raise ValueError(f"max_seq_len must be an int >= 2, got {short(args.max_seq_len)}")
     check_device(args.device)
     size = args.tensor_parallel_size
     if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 64:
-        raise ValueError(f"tensor_parallel_size must be an int in [1, 64], got {_short(size)}")
+        raise ValueError(f"tensor_parallel_size must be an int in [1, 64], got {short(size)}")
 
 
 def check_device(value: Any, name: str = "device") -> None:
@@ -116,7 +116,7 @@ def check_device(value: Any, name: str = "device") -> None:
     try:
         device = torch.device(value)
     except (RuntimeError, ValueError):
-        raise ValueError(f"{name} must be 'cpu' or 'cuda[:index]', got {_short(value)}") from None
+        raise ValueError(f"{name} must be 'cpu' or 'cuda[:index]', got {short(value)}") from None
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
@@ -133,7 +133,7 @@ class ConfigDefaults:
     """What a model family's config.json may leave out, as the family's own code assumes it
     (each family's record in `models.registry` has one; an unknown architecture gets these)."""
 
-    head_dim: int = 128
+    head_dim: int | None = 128  # None: hidden_size // num_attention_heads (as for a null head_dim)
     partial_rotary_factor: float = 1.0
     # Hybrid families: every full_attention_interval-th layer is full attention, the others linear
     # attention, when config.json has no layer_types. None: every layer is full attention.
@@ -141,7 +141,8 @@ class ConfigDefaults:
     # Mixture-of-experts families: num_experts, num_experts_per_tok and moe_intermediate_size are
     # required; `norm_topk_prob` when config.json does not say; `shared_expert`: every sparse layer
     # has a gated shared expert (shared_expert_intermediate_size required); `dense_mlp`: some layer
-    # may be a dense SwiGLU (intermediate_size required).
+    # may be a dense SwiGLU (intermediate_size required). A family without (Qwen3.5-MoE, whose
+    # transformers config has no mlp_only_layers, decoder_sparse_step nor norm_topk_prob) ignores those.
     moe: bool = False
     norm_topk_prob: bool = False
     shared_expert: bool = False
@@ -234,12 +235,11 @@ class ModelConfig:
         architecture, fields = _language_model_fields(raw, source)
         if fields.get("use_sliding_window", bool, False):
             raise CheckpointError(f"{source}: use_sliding_window=true is not supported")
-        rope_fields = _Fields(fields.get("rope_parameters", dict, None) or fields.get("rope_scaling", dict, None) or {},
-                              f"{fields.source} (rope_parameters)")
-        rope_type = rope_fields.get("rope_type", str, rope_fields.get("type", str, "default"))
+        fields.get("rope_parameters", dict, None)  # an object, when present (the keys in it: config_fields.ALIASES)
+        rope_type = fields.get("rope_type", str, "default")
         if rope_type != "default":
             raise CheckpointError(f"{source}: rope_type {rope_type!r} is not supported (only 'default')")
-        rope_theta = rope_fields.positive_float("rope_theta", fields.positive_float("rope_theta", 10000.0))
+        rope_theta = fields.positive_float("rope_theta", 10000.0)
         heads = fields.positive_int("num_attention_heads")
         kv_heads = fields.positive_int("num_key_value_heads", None) or heads
         if heads % kv_heads:
@@ -250,13 +250,12 @@ class ModelConfig:
         layers = len(layer_types)
         hidden = fields.positive_int("hidden_size")
         head_dim = fields.positive_int("head_dim", defaults.head_dim, null=None)
-        partial = rope_fields.positive_float("partial_rotary_factor", fields.positive_float(
-            "partial_rotary_factor", defaults.partial_rotary_factor))
+        partial = fields.positive_float("partial_rotary_factor", defaults.partial_rotary_factor)
         cfg = cls(
             architecture=architecture,
             vocab_size=fields.positive_int("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=fields.positive_int("intermediate_size", _REQUIRED if defaults.dense_mlp else 0,
+            intermediate_size=fields.positive_int("intermediate_size", REQUIRED if defaults.dense_mlp else 0,
                                                   minimum=1 if defaults.dense_mlp else 0),
             num_hidden_layers=layers,
             num_attention_heads=heads,
@@ -267,7 +266,7 @@ class ModelConfig:
             max_position_embeddings=fields.positive_int("max_position_embeddings", 32768),
             tie_word_embeddings=fields.get("tie_word_embeddings", bool, False),
             attention_bias=fields.get("attention_bias", bool, False),
-            eos_token_ids=_eos_ids(_Fields(generation or {}, generation_source), fields),
+            eos_token_ids=_eos_ids(Fields(generation or {}, generation_source), fields),
             layer_types=layer_types,
             partial_rotary_factor=partial,
             linear_num_key_heads=fields.positive_int("linear_num_key_heads", 0, minimum=0),
@@ -281,24 +280,24 @@ class ModelConfig:
         return cfg
 
 
-def _language_model_fields(raw: dict[str, Any], source: str) -> tuple[str, _Fields]:
+def _language_model_fields(raw: dict[str, Any], source: str) -> tuple[str, Fields]:
     """The architecture name, and the fields of the language model: config.json's own, or in the
     multimodal layout its nested text_config (with the top level's tie and EOS fields)."""
-    fields = _Fields(raw, source)
+    fields = Fields(raw, source)
     architectures = fields.get("architectures", list, [])
     if architectures and not isinstance(architectures[0], str):
         fields.fail("architectures", "must be a list of architecture names (str)", architectures)
     architecture = architectures[0] if architectures else fields.get("model_type", str, "<missing>")
     text = fields.get("text_config", dict, None)
     if text is not None:
-        fields = _Fields({**text,
+        fields = Fields({**text,
                           "tie_word_embeddings": raw.get("tie_word_embeddings", text.get("tie_word_embeddings")),
                           "eos_token_id": text.get("eos_token_id", raw.get("eos_token_id"))},
                          f"{source} (text_config)")
     return architecture, fields
 
 
-def _moe_fields(fields: _Fields, defaults: ConfigDefaults, layers: int) -> dict[str, Any]:
+def _moe_fields(fields: Fields, defaults: ConfigDefaults, layers: int) -> dict[str, Any]:
     """The mixture-of-experts fields of a MoE family's config (required where the family has them);
     none for a dense family."""
     if not defaults.moe:
@@ -307,20 +306,21 @@ def _moe_fields(fields: _Fields, defaults: ConfigDefaults, layers: int) -> dict[
     top_k = fields.positive_int("num_experts_per_tok")
     if top_k > experts:
         fields.fail("num_experts_per_tok", f"must be at most num_experts={experts}", top_k)
-    # A family without dense layers (Qwen3.5-MoE) makes every layer sparse, whatever these say.
+    # A family without dense layers (Qwen3.5-MoE): every layer sparse, `norm_topk_prob` its own.
     mlp_only = fields.get("mlp_only_layers", list, []) if defaults.dense_mlp else []
     if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in mlp_only):
         fields.fail("mlp_only_layers", f"must list layer indices in [0, {layers})", mlp_only)
-    shared = fields.positive_int("shared_expert_intermediate_size", _REQUIRED if defaults.shared_expert else 0,
+    shared = fields.positive_int("shared_expert_intermediate_size", REQUIRED if defaults.shared_expert else 0,
                                  minimum=1 if defaults.shared_expert else 0)
     return {"num_experts": experts, "num_experts_per_tok": top_k,
             "moe_intermediate_size": fields.positive_int("moe_intermediate_size"),
-            "norm_topk_prob": fields.get("norm_topk_prob", bool, defaults.norm_topk_prob),
+            "norm_topk_prob": (fields.get("norm_topk_prob", bool, defaults.norm_topk_prob) if defaults.dense_mlp
+                               else defaults.norm_topk_prob),
             "decoder_sparse_step": fields.positive_int("decoder_sparse_step", 1) if defaults.dense_mlp else 1,
             "mlp_only_layers": tuple(sorted(set(mlp_only))), "shared_expert_intermediate_size": shared}
 
 
-def _layer_types(fields: _Fields, defaults: ConfigDefaults, source: str) -> tuple[str, ...]:
+def _layer_types(fields: Fields, defaults: ConfigDefaults, source: str) -> tuple[str, ...]:
     """Each layer's kind: config.json's layer_types, else as the family's defaults lay them out."""
     layers = fields.positive_int("num_hidden_layers")
     if layers > MAX_LAYERS:
@@ -330,13 +330,8 @@ def _layer_types(fields: _Fields, defaults: ConfigDefaults, source: str) -> tupl
     known = ("full_attention", "linear_attention")
     if len(layer_types) != layers or not all(kind in known for kind in layer_types):
         raise CheckpointError(f"{source}: layer_types must list 'full_attention'/'linear_attention' for each of "
-                              f"the {layers} layers, got {_short(list(layer_types))}")
+                              f"the {layers} layers, got {short(list(layer_types))}")
     return layer_types
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded as asked; the message names the file and the
-    field or tensor at fault."""
 
 
 def read_json_object(path: Path) -> dict[str, Any]:
@@ -353,59 +348,6 @@ def read_json_object(path: Path) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: must hold a JSON object, got a JSON {type(value).__name__}")
     return value
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-_REQUIRED = object()
-
-
-class _Fields:
-    """Typed access to one JSON object's fields; errors name the file and the field."""
-
-    def __init__(self, raw: dict[str, Any], source: str) -> None:
-        self.raw, self.source = raw, source
-
-    def fail(self, key: str, rule: str, value: Any) -> None:
-        raise CheckpointError(f"{self.source}: field {key!r} {rule}, got {_short(value)}")
-
-    def get(self, key: str, kind: type, default: Any = _REQUIRED, null: Any = _REQUIRED) -> Any:
-        """The field, which must be a `kind` (an int is accepted as a float). Absent or null: `default`
-        (an error when there is none), except that a null gives `null` when that is given."""
-        value = self.raw.get(key)
-        if value is None:
-            if key in self.raw and null is not _REQUIRED:
-                return null
-            if default is _REQUIRED:
-                raise CheckpointError(f"{self.source}: missing required field {key!r}")
-            return default
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            try:
-                return float(value)
-            except OverflowError:
-                self.fail(key, "must be a finite number", value)
-        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-            self.fail(key, f"must be a JSON {_JSON_NAMES[kind]}", value)
-        return value
-
-    def positive_int(self, key: str, default: Any = _REQUIRED, minimum: int = 1, null: Any = _REQUIRED) -> Any:
-        value = self.get(key, int, default, null)
-        if value is not None and value < minimum:
-            self.fail(key, f"must be an integer >= {minimum}", value)
-        return value
-
-    def positive_float(self, key: str, default: Any = _REQUIRED) -> float:
-        value = self.get(key, float, default)
-        if not (math.isfinite(value) and value > 0):
-            self.fail(key, "must be a finite number > 0", value)
-        return value
-
-
-_JSON_NAMES = {int: "integer", float: "number", bool: "boolean (true/false)", str: "string", list: "array",
-               dict: "object"}
 
 
 def _check_consistent(cfg: ModelConfig, source: str) -> None:
@@ -431,7 +373,7 @@ def _check_consistent(cfg: ModelConfig, source: str) -> None:
             raise CheckpointError(f"{source}: eos_token_id {eos} is outside the vocabulary [0, {cfg.vocab_size})")
 
 
-def _eos_ids(generation: _Fields, config: _Fields) -> tuple[int, ...]:
+def _eos_ids(generation: Fields, config: Fields) -> tuple[int, ...]:
     """EOS ids from generation_config.json, falling back to config.json; int or list in either."""
     ids: list[int] = []
     for fields in (generation, config):

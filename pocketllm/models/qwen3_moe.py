@@ -4,7 +4,8 @@ Qwen3's attention blocks; each layer's MLP is the mixture of experts (`moe.Spars
 router over `num_experts`, the top `num_experts_per_tok`, renormalised when `norm_topk_prob`), except
 the layers in `mlp_only_layers` and those off the `decoder_sparse_step` grid, which keep the dense
 SwiGLU of width `intermediate_size`. No shared expert. Experts load in the fused or the per-expert
-layout (see `moe.py`).
+layout (see `moe.py`). transformers' Qwen3MoeConfig declares no head_dim: a config.json without one
+has heads of hidden_size // num_attention_heads, as transformers' attention computes them.
 """
 
 from __future__ import annotations
@@ -51,5 +52,5 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 FAMILY = Family("qwen3-moe", ("Qwen3MoeForCausalLM",), Qwen3MoeModel, expected_weights, qwen3.skip_weight, matrices,
-                PRESETS, defaults=ConfigDefaults(moe=True), init_weight=moe_init(default_init),
+                PRESETS, defaults=ConfigDefaults(head_dim=None, moe=True), init_weight=moe_init(default_init),
                 checkpoint_layout=checkpoint_layout)

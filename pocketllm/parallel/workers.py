@@ -153,17 +153,30 @@ class Workers:
         deadline = time.monotonic() + START_TIMEOUT_S
         for rank, (process, status) in enumerate(zip(self.processes, self._status), start=1):
             while not status.poll(0.1):
-                if not process.is_alive() or time.monotonic() > deadline:
+                if not process.is_alive():
+                    raise self._exited_before_reporting(rank, process)
+                if time.monotonic() > deadline:
                     self.stop()
-                    raise WorkerError(f"tensor-parallel worker {rank} " + (
-                        f"exited with code {process.exitcode} while loading" if not process.is_alive()
-                        else f"did not load its shard in {START_TIMEOUT_S:.0f} s"))
-            error = status.recv()
+                    raise WorkerError(f"tensor-parallel worker {rank} did not load its shard in "
+                                      f"{START_TIMEOUT_S:.0f} s")
+            try:
+                error = status.recv()
+            except EOFError:  # it exited between the poll and the read
+                raise self._exited_before_reporting(rank, process) from None
             if error is not None:
                 self.stop()
                 raise WorkerError(f"tensor-parallel worker {rank} failed to load: {error}")
         tp.connect(self.store.port, device, self.store)
         self.tp = tp
+
+    def _exited_before_reporting(self, rank: int, process: multiprocessing.process.BaseProcess) -> WorkerError:
+        """A worker that ended without a word (a load error is reported, so it died importing, or was
+        killed): stop the rest; the error says where its traceback is and the usual cause."""
+        process.join(STOP_TIMEOUT_S)
+        self.stop()
+        return WorkerError(f"tensor-parallel worker {rank} exited with code {process.exitcode} while loading (its "
+                           f"traceback, if any, is on stderr); workers are spawned, so a script that starts a "
+                           f"tensor-parallel engine must do so under `if __name__ == '__main__':`")
 
     def send(self, message: Sequence[Any]) -> None:
         """Broadcast one command; after a failure, cache commands are dropped (no worker is left to

@@ -76,6 +76,8 @@ def build_app(engine: AsyncLLM, model_name: str | None = None, owns_engine: bool
 
     @app.get("/metrics")
     async def metrics(format: str = "prometheus") -> Response:
+        if format not in ("prometheus", "json"):
+            raise APIError(400, f"format must be 'prometheus' or 'json', got {format!r}", "format")
         stats = engine.scheduler.get_stats()
         values = {**dataclasses.asdict(stats), "tokens_per_s": stats.tokens_per_s,
                   "free_slots": engine.llm.slots.num_free}

@@ -11,9 +11,9 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..scheduler.stream import TokenDelta
-from .errors import APIError, bad_request, sse_error
+from .errors import APIError, EngineFailure, bad_request, sse_error
 from .protocol import ChatCompletionRequest, message_dicts
-from .runs import ChoiceRun, ClientDisconnected, merged, start, until_disconnect
+from .runs import ChoiceRun, ClientDisconnected, merged, until_disconnect
 from .state import ServerState, choice_specs, logprob, new_id, sampling_params, usage
 
 
@@ -28,18 +28,19 @@ def logprobs_content(state: ServerState, deltas: Sequence[TokenDelta], as_ids: b
              "top_logprobs": [_token(state, t, lp, as_ids) for t, lp in d.top_logprobs or []]} for d in deltas]
 
 
-def _max_tokens(req: ChatCompletionRequest, prompt_len: int, max_seq_len: int) -> int:
-    """What was asked for, else what the context has room for (as vLLM does)."""
-    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return asked if asked is not None else max(1, max_seq_len - prompt_len)
+def _max_tokens(req: ChatCompletionRequest, prompt_len: int, max_seq_len: int) -> tuple[int, str | None]:
+    """What was asked for and the field that asked (max_completion_tokens first: OpenAI's name, which
+    replaced max_tokens), else what the context has room for (as vLLM does) and None."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        asked = getattr(req, name)
+        if asked is not None:
+            return asked, name
+    return max(1, max_seq_len - prompt_len), None
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request) -> Response:
     """The reply to `messages`, or its server-sent events with `stream`."""
-    state.check_model(req.model)
-    req.check_refused()
-    with bad_request("stop"):
-        stops = req.stop_strings()
+    stops = state.check_request(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     try:
@@ -47,12 +48,14 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     except (ValueError, TypeError) as exc:  # ChatTemplateError among them
         raise APIError(400, str(exc), "messages") from None
     top = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, _max_tokens(req, len(prompt), state.max_seq_len), top, None,
-                             {"logprobs": "top_logprobs", "max_tokens": "max_tokens"})
+    max_tokens, tokens_field = _max_tokens(req, len(prompt), state.max_seq_len)
+    params = sampling_params(req, max_tokens, top, None,
+                             {"logprobs": "top_logprobs", "max_tokens": tokens_field or "max_tokens"})
+    state.check_prompts([prompt], params, "messages", tokens_field)
     specs = choice_specs([prompt], req, [params], stops)
     try:
         with bad_request("messages"):
-            runs = await until_disconnect(request, start(state.engine, specs))
+            runs = await state.inflight.start(request, specs)
         if req.stream:
             return StreamingResponse(_events(state, req, runs, [prompt]), media_type="text/event-stream")
         return await until_disconnect(request, _complete(state, req, runs, [prompt]))
@@ -93,7 +96,7 @@ async def _events(state: ServerState, req: ChatCompletionRequest, runs: list[Cho
                   if req.logprobs else None)
             delta = {"content": piece.text} if piece.text or piece.finish is None else {}
             yield chunk([{"index": piece.index, "delta": delta, "logprobs": lp, "finish_reason": piece.finish}])
-    except RuntimeError as exc:  # the engine failed on the request: the status line has gone out
+    except EngineFailure as exc:  # the engine failed on the request: the status line has gone out
         yield sse_error(500, str(exc))
     if req.stream_options is not None and req.stream_options.include_usage:
         yield chunk([], usage=usage(prompts, sum(len(r.deltas) for r in runs)))

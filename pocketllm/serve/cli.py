@@ -1,16 +1,20 @@
 """`pocketllm serve --model DIR`: the OpenAI-compatible server on uvicorn.
 
 SIGINT/SIGTERM shut it down gracefully: uvicorn stops accepting, in-flight requests get
-`--graceful-timeout` seconds to finish, then are cancelled; the app's shutdown closes the engine
-last, so every request ends in its terminal state and every slot is freed.
+`--graceful-timeout` seconds to finish, then are aborted (a stream ends with its final chunk and
+[DONE]; see server.py); the app's shutdown closes the engine last, so every request ends in its
+terminal state and every slot is freed.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
+import math
 import os
+import socket
 import sys
 from typing import Any
 
@@ -26,6 +30,53 @@ def _option(text: str) -> tuple[str, Any]:
         return key, json.loads(value)
     except json.JSONDecodeError:
         return key, value
+
+
+def _port(text: str) -> int:
+    """A TCP port a server can listen on."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be an int in 1..65535, got {text!r}")
+    return port
+
+
+def _seconds(text: str) -> float:
+    """A finite number of seconds >= 0."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return seconds
+
+
+def check_address(host: str, port: int) -> None:
+    """Before the model loads, what would keep the server from listening on host:port (a host that
+    does not resolve or is not this machine's, a port in use): OSError naming --host / --port. The
+    probe binds as asyncio's server does (SO_REUSEADDR, IPv6 only on IPv6, an address of a family
+    the machine lacks skipped), so a port only in TIME_WAIT passes."""
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise OSError(f"--host {host!r} does not resolve ({exc.strerror})") from None
+    bound = False
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+                bound = True
+            except OSError as exc:
+                if exc.errno != errno.EADDRNOTAVAIL:
+                    raise OSError(f"cannot listen on --host {host} --port {port}: {exc.strerror}") from None
+    if not bound:
+        raise OSError(f"cannot listen on --host {host}: it is not an address of this machine")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,37 +116,37 @@ def add_parser(sub: Any) -> None:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pip install -e '.[serve]')")
     serve.add_argument("--model", required=True, help="Hugging Face model directory (config.json + safetensors)")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_port, default=8000, help="1..65535")
     serve.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: --model)")
     serve.add_argument("--threads", type=int, default=None,
                        help="torch CPU threads for the engine (default: all cores but one, which the event loop "
                             "keeps: with every core in OpenMP, HTTP streaming ran 6-8x slower on 2 cores)")
-    serve.add_argument("--graceful-timeout", type=float, default=30.0,
-                       help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are cancelled")
+    serve.add_argument("--graceful-timeout", type=_seconds, default=30.0,
+                       help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted "
+                            "(finish_reason \"abort\")")
     add_engine_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
-
         from .app import build_app
+        from .server import GracefulServer
     except ImportError as exc:
         raise ImportError(f"pocketllm serve needs the serve extra: pip install -e '.[serve]' ({exc})") from exc
     from ..async_llm import AsyncLLM
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")  # uvicorn's look
+    check_address(args.host, args.port)  # before the model loads, which can take minutes
     _set_threads(args.threads)
     engine = AsyncLLM(engine_args(args))
     try:
         app = build_app(engine, args.served_model_name, owns_engine=True)  # closed at the app's shutdown
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                timeout_graceful_shutdown=int(args.graceful_timeout))
+        server = GracefulServer(app, args.host, args.port, args.graceful_timeout)
         print(f"pocketllm serve: {args.model} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         # After the graceful shutdown uvicorn re-raises the signal: SIGINT ends the command with
         # status 130 (KeyboardInterrupt), SIGTERM with the signal's default.
-        uvicorn.Server(config).run()
+        server.run()
     finally:
         engine.close()  # at once if the app's shutdown closed it
     return 0

@@ -15,9 +15,9 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..outputs import TopLogprobs
-from .errors import APIError, bad_request, sse_error
+from .errors import APIError, EngineFailure, bad_request, sse_error
 from .protocol import CompletionRequest
-from .runs import ChoiceRun, ClientDisconnected, merged, start, until_disconnect
+from .runs import ChoiceRun, ClientDisconnected, merged, until_disconnect
 from .state import ServerState, choice_specs, logprob, new_id, sampling_params, usage
 
 Entry = tuple[int, float | None, TopLogprobs | None]  # token, its logprob, the position's alternatives
@@ -30,7 +30,8 @@ def _prompts(state: ServerState, prompt: str | list[Any]) -> tuple[list[list[int
     if not prompt:
         raise APIError(400, "prompt must not be empty", "prompt")
     if isinstance(prompt[0], str):
-        return [state.encode(text) for text in prompt], list(prompt)
+        names = [f"prompt[{i}]" for i in range(len(prompt))] if len(prompt) > 1 else ["prompt"]
+        return [state.encode(text, name) for text, name in zip(prompt, names)], list(prompt)
     if isinstance(prompt[0], int):
         return [list(prompt)], [None]
     return [list(p) for p in prompt], [None] * len(prompt)
@@ -68,10 +69,7 @@ def _delta_entries(run: ChoiceRun) -> list[Entry]:
 
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request) -> Response:
     """The completion response, or its server-sent events with `stream`."""
-    state.check_model(req.model)
-    req.check_refused()
-    with bad_request("stop"):
-        stops = req.stop_strings()
+    stops = state.check_request(req)
     if req.stream and req.echo and req.logprobs is not None:
         raise APIError(400, "echo with logprobs is not supported with stream=true (the prompt's logprobs come with "
                             "the result); use stream=false", "echo")
@@ -79,11 +77,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     scoring = req.echo and req.logprobs is not None
     params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs,
                              req.logprobs if scoring else None, {"prompt_logprobs": "logprobs"})
+    state.check_prompts(prompts, params, "prompt", None if req.max_tokens is None else "max_tokens")
     specs = choice_specs(prompts, req, [params] * len(prompts), stops)
     echoes = [text if text is not None else state.decode(p) for p, text in zip(prompts, texts)] if req.echo else None
     try:
         with bad_request("prompt"):
-            runs = await until_disconnect(request, start(state.engine, specs))
+            runs = await state.inflight.start(request, specs)
         if req.stream:
             events = _events(state, req, runs, prompts, echoes)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -133,7 +132,7 @@ async def _events(state: ServerState, req: CompletionRequest, runs: list[ChoiceR
             if req.logprobs is not None:
                 lp = writers[piece.index].write([(d.token_id, d.logprob, d.top_logprobs) for d in piece.deltas])
             yield chunk(piece.index, piece.text, lp, piece.finish)
-    except RuntimeError as exc:  # the engine failed on a request: the status line has gone out
+    except EngineFailure as exc:  # the engine failed on a request: the status line has gone out
         yield sse_error(500, str(exc))
     if req.stream_options is not None and req.stream_options.include_usage:
         body = {"id": cid, "object": "text_completion", "created": state.created, "model": state.model_name,

@@ -3,13 +3,16 @@
 Every choice is submitted before the response starts, so a full queue is a 429 and never a
 broken stream. Stop strings are the server's (the engine stops on token ids): text is held back
 while it could still become a stop string, and a choice that hits one is cancelled in the engine,
-then read to its result, so every request reaches its one terminal state in the engine.
+then read to its result, so every request reaches its one terminal state in the engine. InFlight
+keeps what runs, so that a shutdown ends it in a terminal state too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -20,7 +23,9 @@ from ..async_llm import AsyncLLM, StreamItem
 from ..outputs import GenerationResult
 from ..sampling import SamplingParams
 from ..scheduler.stream import TokenDelta
+from .errors import APIError, EngineFailure
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}  # vLLM says "abort"
 
@@ -75,7 +80,7 @@ class StopText:
         return out
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed as itself: InFlight keeps it in a WeakSet
 class ChoiceRun:
     """A submitted choice: its first item (so submission is over) and the rest of its stream."""
 
@@ -101,14 +106,18 @@ class ChoiceRun:
             if stopped:
                 self.finish = "stop"
                 yield Piece(self.spec.index, [item], text, "stop")
-                self.result = await self._cancelled(item.request_id)
+                self.result = await self._cancelled()
                 return
             yield Piece(self.spec.index, [item], text)
             item = await anext(self.rest)
 
-    async def _cancelled(self, request_id: int) -> GenerationResult:
+    def cancel(self) -> None:
+        """Cancel the engine's request: its stream goes on to its result, which says "cancelled"."""
+        self.engine.scheduler.cancel_request(self.first.request_id)
+
+    async def _cancelled(self) -> GenerationResult:
         """Cancel the engine's request (a stop string ended it) and read on to its result."""
-        self.engine.scheduler.cancel_request(request_id)
+        self.cancel()
         async for item in self.rest:
             if isinstance(item, GenerationResult):
                 return item
@@ -117,7 +126,7 @@ class ChoiceRun:
     @staticmethod
     def _reason(result: GenerationResult) -> str:
         if result.finish_reason == "error":
-            raise RuntimeError(f"the engine failed on this request: {result.error}")
+            raise EngineFailure(f"the engine failed on this request: {result.error}")
         return FINISH_REASONS[result.finish_reason or "cancelled"]
 
 
@@ -125,7 +134,11 @@ async def start(engine: AsyncLLM, specs: Sequence[ChoiceSpec]) -> list[ChoiceRun
     """Submit every choice and wait for its first item; if one cannot be submitted (QueueFullError),
     the others are cancelled and the error raised."""
     streams = [aiter(engine.stream(spec.prompt, spec.params)) for spec in specs]
-    firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+    try:
+        firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+    except asyncio.CancelledError:  # the client left, or the server is shutting down: none may run on
+        await asyncio.gather(*(aclose(s) for s in streams), return_exceptions=True)
+        raise
     failed = next((f for f in firsts if isinstance(f, BaseException)), None)
     if failed is not None:
         await asyncio.gather(*(aclose(s) for s in streams), return_exceptions=True)
@@ -187,3 +200,48 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     if task.cancelled():
         raise ClientDisconnected
     return task.result()
+
+
+class InFlight:
+    """The server's submissions and runs still going, so that its shutdown can end each in a
+    terminal state instead of cutting it: a run is cancelled in the engine, so it ends "abort" (a
+    stream with its final chunk and [DONE]); a submission still waiting for its first item is
+    withdrawn and answered 503; a request that comes after is answered 503 at once."""
+
+    def __init__(self, engine: AsyncLLM) -> None:
+        self.engine, self.closing = engine, False
+        self._starting: set[asyncio.Task[list[ChoiceRun]]] = set()
+        self._runs: weakref.WeakSet[ChoiceRun] = weakref.WeakSet()  # a finished response lets go of its runs
+
+    async def start(self, request: Request, specs: Sequence[ChoiceSpec]) -> list[ChoiceRun]:
+        """`start`'s runs; ClientDisconnected if the client leaves first, a 503 once shutting down."""
+        if self.closing:
+            raise APIError(503, "the server is shutting down")
+        task = asyncio.ensure_future(self._start(specs))
+        self._starting.add(task)
+        try:
+            return await until_disconnect(request, task)
+        except ClientDisconnected:
+            if self.closing:
+                raise APIError(503, "the server is shutting down: the request was withdrawn before it "
+                                    "started") from None
+            raise
+        finally:
+            self._starting.discard(task)
+
+    async def _start(self, specs: Sequence[ChoiceSpec]) -> list[ChoiceRun]:
+        runs = await start(self.engine, specs)
+        self._runs.update(runs)  # in the same step as the task ends: abort() sees them either way
+        return runs
+
+    def abort(self) -> None:
+        """End everything in flight (see the class); what comes after is refused."""
+        self.closing = True
+        runs = list(self._runs)
+        if runs or self._starting:
+            logger.info("pocketllm: aborting %d choices in flight and %d requests not started", len(runs),
+                        len(self._starting))
+        for task in self._starting:
+            task.cancel()
+        for run in runs:
+            run.cancel()

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field, replace
 from ..async_llm import AsyncLLM
 from ..outputs import TopLogprobs
 from ..sampling import SamplingParams
+from ..scheduler.request import validate_prompt
 from .errors import APIError, bad_request
 from .protocol import SamplingFields
-from .runs import ChoiceSpec
+from .runs import ChoiceSpec, InFlight
 
 # JSON has no -inf; like vLLM, a logprob of -inf is reported as this.
 MIN_LOGPROB = -9999.0
@@ -35,6 +36,10 @@ class ServerState:
     engine: AsyncLLM
     model_name: str
     created: int = field(default_factory=lambda: int(time.time()))
+    inflight: InFlight = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.inflight = InFlight(self.engine)
 
     @property
     def max_seq_len(self) -> int:
@@ -45,14 +50,41 @@ class ServerState:
         if name is not None and name != self.model_name:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`", "model")
 
+    def check_request(self, req: SamplingFields) -> list[str]:
+        """The checks every generation request starts with; its stop strings."""
+        self.check_model(req.model)
+        req.check_refused()
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
+        with bad_request("stop"):
+            return req.stop_strings()
+
+    def check_prompts(self, prompts: Sequence[list[int]], params: SamplingParams, prompt_field: str,
+                      tokens_field: str | None) -> None:
+        """Each prompt as the engine checks it, before anything is submitted, so that the error names
+        what to change: `tokens_field` (the max-tokens field the client sent) when the prompt fits
+        the context but not with that many tokens after it, else the prompt (which one of several)."""
+        vocab_size = self.engine.llm.model_config.vocab_size
+        for i, prompt in enumerate(prompts):
+            where = prompt_field if len(prompts) == 1 else f"{prompt_field}[{i}]"
+            room = self.max_seq_len - len(prompt)
+            if tokens_field is not None and 0 < room < params.max_tokens:
+                raise APIError(400, f"{tokens_field} must be at most {room} here ({where} has {len(prompt)} tokens, "
+                                    f"max_seq_len is {self.max_seq_len}), got {params.max_tokens}", tokens_field)
+            with bad_request(prompt_field, where=where):
+                validate_prompt(prompt, params, vocab_size, self.max_seq_len)
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         tokenizer = self.engine.llm.tokenizer
         if tokenizer is None:
             return ""
         return str(tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
-    def encode(self, text: str) -> list[int]:
-        with bad_request("prompt"):
+    def encode(self, text: str, where: str = "prompt") -> list[int]:
+        """A text prompt's token ids; `where` names it in errors (prompt[i] of several)."""
+        if not text:
+            raise APIError(400, f"{where} must not be an empty string", "prompt")
+        with bad_request("prompt", where=where):
             return list(self.engine.llm.prepare(None, text))
 
     def token_str(self, token_id: int, as_ids: bool) -> str:

@@ -8,7 +8,7 @@
   `assert_scoring_matches_generation`, `assert_matches_reference`, `assert_rows_invariant`,
   `assert_split_invariant`;
 - `planted`: defects planted by construction, so a property can be seen to fail;
-- a pytest plugin (`pocketllm.testing.plugin`, loaded by pytest once pocketllm is installed):
+- a pytest plugin (`pytest_pocketllm`, beside the package; loaded by pytest once pocketllm is installed):
   fixtures for engines on cached random checkpoints, `--impl OP=SPEC`, `--pocketllm-profile`.
 
 ```python
@@ -24,8 +24,11 @@ def test_my_attention_keeps_the_contract(pocketllm_engines, workload):
 
 from __future__ import annotations
 
+import math
+
 from hypothesis import settings
 
+from . import _checks as check
 from . import planted, strategies
 from .assertions import (
     ContractViolation,
@@ -48,4 +51,8 @@ __all__ = ["ContractViolation", "Engines", "Job", "Mismatch", "Schedule", "Workl
 def budget(fraction: float = 1.0) -> int:
     """Examples for one property: `fraction` of the active Hypothesis profile's max_examples (at
     least 1), so a profile (`--pocketllm-profile thorough`) scales every property, the costly ones too."""
+    rule = "a finite number > 0"
+    check.real("budget", "fraction", fraction, rule)
+    if not 0 < fraction < math.inf:  # NaN fails too
+        raise check.refuse(ValueError, "budget", "fraction", rule, fraction)
     return max(1, int(settings().max_examples * fraction))

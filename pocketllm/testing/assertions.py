@@ -13,17 +13,19 @@ bits, and a snippet that reproduces it.
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
+from ..config import check_device
 from ..kernels.registry import IMPLEMENTATIONS, ImplSpec, describe
 from ..lab.cases import Case, op_cases
 from ..lab.check import Finding, batch_findings, reference_findings, split_findings, under_test
 from ..llm import LLM
 from ..sampling import SamplingParams
-from .engines import Engines, find_mismatches, python_source
+from . import _checks as check
+from .engines import Engines, check_run, find_mismatches, python_source
 from .explain import class_import, describe_mismatch, reproduction, show, workload_source
 from .strategies import Workload
 
@@ -41,6 +43,7 @@ def assert_batch_invariant(engines: Engines, workload: Workload) -> None:
     """Every request of `workload`, run through the batch scheduler of `engines` (arrivals,
     cancellations, preemptions at their steps, on the workload's schedule), has the tokens and
     logprobs of its cold serial run, bit for bit (a cancelled one: a prefix of them)."""
+    check_run("assert_batch_invariant", engines, workload)
     found = find_mismatches(engines, workload)
     if found:
         _raise(f"batched output differs from the cold serial run for {len(found)} of {len(workload.jobs)} "
@@ -68,7 +71,7 @@ def assert_scoring_matches_generation(llm: LLM, prompts: Sequence[Sequence[int]]
     output scored (`prompt_logprobs`, with as many alternatives as `params.logprobs` asks): every
     generated position's logprob and alternatives equal the score of the same position, bit for bit.
     Holds where `llm.capabilities.exact_positions` does."""
-    lists = [list(p) for p in prompts]
+    lists = [list(p) for p in _checked_prompts(llm, prompts, params)]
     generated = llm.generate(lists, params)
     score = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=params.logprobs or True)
     scored = llm.generate([p + g.token_ids for p, g in zip(lists, generated)], [score] * len(lists))
@@ -89,9 +92,22 @@ def assert_scoring_matches_generation(llm: LLM, prompts: Sequence[Sequence[int]]
                 break
     if details:
         _raise(f"generated logprobs differ from the scores of the same sequences for {len(details)} of "
-               f"{len(prompts)} prompts:", details,
+               f"{len(lists)} prompts:", details,
                reproduction("assert_scoring_matches_generation(llm, prompts, params)", llm=_engine_source(llm),
                             prompts=repr(lists), params=repr(params)))
+
+
+def _checked_prompts(llm: Any, prompts: Any, params: Any) -> list[Any]:
+    """The prompts as a list, every argument checked; one prompt given as a flat list of ids is
+    the likely slip, so each prompt is named by its index."""
+    where = "assert_scoring_matches_generation"
+    check.instance(where, "llm", llm, LLM, "an LLM (an Engines' serial engine is engines.serial)")
+    listed = check.listed(where, "prompts", prompts, "a non-empty list of prompts")
+    for index, prompt in enumerate(listed):
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Iterable):
+            raise check.refuse(TypeError, where, f"prompts[{index}]", "a sequence of token ids", prompt)
+    check.instance(where, "params", params, SamplingParams, "a SamplingParams")
+    return listed
 
 
 def _first_alternative_difference(got: tuple[tuple[Any, ...], ...] | None,
@@ -116,7 +132,32 @@ def _pairs(entry: Sequence[Sequence[Any]] | None) -> tuple[tuple[Any, ...], ...]
 
 def op_case(op: str, index: int, dtype: str = "float32") -> Case:
     """Point `index` of `op`'s case grid in `dtype` (how a failure message names a case)."""
-    return op_cases(op, (getattr(torch, dtype),))[index]
+    check.op_name("op_case", op)
+    check.dtype_name("op_case", "dtype", dtype)
+    cases = op_cases(op, (getattr(torch, dtype),))
+    check.integer("op_case", "index", index, 0, len(cases) - 1)
+    return cases[index]
+
+
+def _check_impl(where: str, impl: Any, device: Any) -> None:
+    """What the registry resolves (its own message for a name it lacks), and the device to run on."""
+    if not (isinstance(impl, str) or callable(impl)):
+        raise check.refuse(TypeError, where, "impl", "a registered name, 'module:function' or a callable", impl)
+    check_device(device, f"{where}: device")
+
+
+def _check_case(where: str, name: str, case: Any, op: str) -> None:
+    """A case of `op`'s grid: another op's case has other inputs."""
+    check.instance(where, name, case, Case, "a Case")
+    if case.op != op:
+        raise ValueError(f"{where}: {name} must be a case of op {op!r}, got one of {case.op!r}")
+
+
+def _check_case_call(where: str, op: Any, case: Any, impl: Any, device: Any) -> None:
+    """The arguments of an assertion on one case, in their order."""
+    check.op_name(where, op)
+    _check_case(where, "case", case, op)
+    _check_impl(where, impl, device)
 
 
 def _case_source(case: Case) -> str:
@@ -143,8 +184,15 @@ def assert_matches_reference(op: str, impl: ImplSpec, dtype: str = "float32", ca
     """`impl` (a registered name, "module:function" or a callable) against `op`'s reference on the
     op's case grid in `dtype` (or on `cases`), within the kernel lab's tolerance table; integer
     outputs (sampled tokens) equal."""
+    where = "assert_matches_reference"
+    check.op_name(where, op)
+    _check_impl(where, impl, device)
+    check.dtype_name(where, "dtype", dtype)
+    grid = op_cases(op, (getattr(torch, dtype),)) if cases is None else \
+        check.listed(where, "cases", cases, "None or a non-empty list of cases")
+    for index, case in enumerate(grid):
+        _check_case(where, f"cases[{index}]", case, op)
     fn, ref = under_test(op, impl), IMPLEMENTATIONS[op]["ref"]
-    grid = list(cases) if cases is not None else op_cases(op, (getattr(torch, dtype),))
     failed = [(case, f) for case in grid if not (f := reference_findings(case, fn, ref, "reference", device)).ok]
     if failed:
         case = failed[0][0]
@@ -157,6 +205,7 @@ def assert_matches_reference(op: str, impl: ImplSpec, dtype: str = "float32", ca
 def assert_rows_invariant(op: str, case: Case, impl: ImplSpec, device: str = "cpu") -> None:
     """Each member of `case` (a row, a token, a sequence) gives the same bits alone (in another slot)
     and in the batch, in the batch's order and reversed."""
+    _check_case_call("assert_rows_invariant", op, case, impl, device)
     _check_findings("batch invariance", op, impl, case, [batch_findings(case, under_test(op, impl), device)],
                     f"assert_rows_invariant({op!r}, case, impl)")
 
@@ -164,6 +213,7 @@ def assert_rows_invariant(op: str, case: Case, impl: ImplSpec, device: str = "cp
 def assert_split_invariant(op: str, case: Case, impl: ImplSpec, device: str = "cpu") -> None:
     """Each sequence of `case` long enough, prefilled in two pieces cut at its first aligned position,
     gives the outputs and final slot state of one piece, bit for bit (a prefill op's property)."""
+    _check_case_call("assert_split_invariant", op, case, impl, device)
     if not case.splittable:
         raise ValueError(f"{op} is not a prefill op: its cases have no sequences to cut")
     _check_findings("split invariance", op, impl, case, split_findings(case, under_test(op, impl), device),

@@ -10,8 +10,9 @@ with its cold serial run and says where the first difference is.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,14 @@ from ..config import EngineArgs
 from ..llm import LLM
 from ..outputs import GenerationResult
 from ..scheduler import BatchScheduler, PrefillPolicy
+from . import _checks as check
 from .strategies import Job, Schedule, Workload
 
 MAX_SEQ_LEN = 96
+# The EngineArgs fields Engines sets from its own arguments (path, max_seq_len, backend options as
+# keywords), and those engine_args and batched_args may set.
+OWN_FIELDS = ("model", "max_seq_len", "backend_options")
+ENGINE_FIELDS = tuple(f.name for f in fields(EngineArgs) if f.init and f.name not in OWN_FIELDS)
 
 
 class Engines:
@@ -34,6 +40,7 @@ class Engines:
 
     def __init__(self, path: str | Path, max_seq_len: int = MAX_SEQ_LEN, engine_args: Mapping[str, Any] | None = None,
                  batched_args: Mapping[str, Any] | None = None, **options: Any) -> None:
+        _check_arguments(path, max_seq_len, engine_args, batched_args)
         self.path = str(path)
         self.options = options
         self.engine_args = dict(engine_args or {})
@@ -67,6 +74,7 @@ class Engines:
 
     def scheduler(self, max_batch_size: int) -> BatchScheduler:
         """The caller-stepped scheduler of the batched engine with `max_batch_size` slots."""
+        check.positive("Engines.scheduler", max_batch_size=max_batch_size)
         if max_batch_size not in self.batched:
             self.batched[max_batch_size] = self._engine({**self.options, "enable_batching": True,
                                                          "max_batch_size": max_batch_size,
@@ -88,6 +96,7 @@ class Engines:
 
     def serial_result(self, job: Job, policy: PrefillPolicy | None = None) -> GenerationResult:
         """The job run alone, cold, in serial mode, its prompt cut as `policy` cuts it (cached)."""
+        _check_job("Engines.serial_result", job, policy)
         llm = self._serial_for(policy)
         key = (job.prompt, job.params, llm.policy.chunk_size, llm.policy.snapshot_interval)
         if key not in self.serial_cache:
@@ -99,12 +108,42 @@ class Engines:
 
     def serial_output(self, job: Job, policy: PrefillPolicy | None = None) -> tuple[list[int], list[float]]:
         """(tokens, logprobs) of `serial_result`."""
+        _check_job("Engines.serial_output", job, policy)
         result = self.serial_result(job, policy)
         return result.token_ids, result.logprobs
 
     def close(self) -> None:
         for llm in [self.serial, *self.batched.values(), *self._cut_serial.values()]:
             llm.close()
+
+
+def _check_arguments(path: Any, max_seq_len: Any, engine_args: Any, batched_args: Any) -> None:
+    """Engines' own arguments, checked before an engine is built: EngineArgs would name none of them
+    (a path without a checkpoint fails as a missing config.json, engine_args={"max_seq_len": ...}
+    as a duplicate keyword)."""
+    check.instance("Engines", "path", path, (str, os.PathLike), "a checkpoint directory (a str or Path)")
+    check.integer("Engines", "max_seq_len", max_seq_len, 2)
+    for name, args in (("engine_args", engine_args), ("batched_args", batched_args)):
+        check.instance("Engines", name, args, (Mapping, type(None)), "None or a dict of EngineArgs fields")
+        for key in args or {}:
+            if key in OWN_FIELDS:
+                raise ValueError(f"Engines: {name} must not set {key!r}: Engines sets it from its own arguments "
+                                 "(path, max_seq_len, backend options as keywords)")
+            check.one_of("Engines", f"{name} keys", key, ENGINE_FIELDS)
+    if not (Path(path) / "config.json").is_file():
+        raise check.refuse(ValueError, "Engines", "path", "a checkpoint directory (one with a config.json)", str(path))
+
+
+def _check_job(where: str, job: Any, policy: Any) -> None:
+    check.instance(where, "job", job, Job, "a Job")
+    check.instance(where, "policy", policy, (PrefillPolicy, type(None)),
+                   "None or a PrefillPolicy (a Schedule's is schedule.policy(max_batch_size, max_seq_len))")
+
+
+def check_run(where: str, engines: Any, workload: Any) -> None:
+    """What a run takes: an Engines and a Workload (the argument order of every run and assertion)."""
+    check.instance(where, "engines", engines, Engines, "an Engines")
+    check.instance(where, "workload", workload, Workload, "a Workload")
 
 
 def python_source(value: Any) -> str:
@@ -119,6 +158,9 @@ def python_source(value: Any) -> str:
 
 def as_policy(schedule: Schedule | PrefillPolicy | None, max_batch_size: int, max_seq_len: int
               ) -> PrefillPolicy | None:
+    """The PrefillPolicy a workload's schedule stands for on these slots (None: the engine's own)."""
+    check.instance("as_policy", "schedule", schedule, (Schedule, PrefillPolicy, type(None)),
+                   "a Schedule, a PrefillPolicy or None")
     return schedule.policy(max_batch_size, max_seq_len) if isinstance(schedule, Schedule) else schedule
 
 
@@ -127,6 +169,7 @@ def run_batched(engines: Engines, workload: Workload) -> dict[int, GenerationRes
     when due; job index -> its result. The workload's schedule (the engine's own policy when None) is
     configured first. What slots hold from earlier workloads stays reusable while the reuse grid is
     unchanged: retained donors too."""
+    check_run("run_batched", engines, workload)
     scheduler = engines.scheduler(workload.max_batch_size)
     policy = as_policy(workload.schedule, workload.max_batch_size, engines.max_seq_len)
     if policy is not None:
@@ -168,6 +211,9 @@ def first_difference(batched: GenerationResult, serial: GenerationResult, prefix
     """The first generated position where the two differ in token or logprob bits (a position only
     one of them has counts); None when none does. `prefix_only`: `batched` may stop early (it was
     cancelled) and must be a prefix of `serial`."""
+    for name, result in (("batched", batched), ("serial", serial)):
+        check.instance("first_difference", name, result, GenerationResult, "a GenerationResult")
+    check.flag("first_difference", "prefix_only", prefix_only)
     a = list(zip(batched.token_ids, batched.logprobs))
     b = list(zip(serial.token_ids, serial.logprobs))
     n = len(a) if prefix_only else max(len(a), len(b))
@@ -180,6 +226,7 @@ def first_difference(batched: GenerationResult, serial: GenerationResult, prefix
 def find_mismatches(engines: Engines, workload: Workload) -> list[Mismatch]:
     """Each request of the workload run batched against its cold serial run (its prompt cut at the
     same request-local positions); a cancelled request's output must be a prefix of its serial one."""
+    check_run("find_mismatches", engines, workload)
     found = []
     policy = as_policy(workload.schedule, workload.max_batch_size, engines.max_seq_len)
     for index, result in run_batched(engines, workload).items():
@@ -198,6 +245,7 @@ def _at(result: GenerationResult, position: int) -> tuple[int, float] | None:
 
 def mismatches(engines: Engines, workload: Workload) -> list[str]:
     """`find_mismatches`, each as one line (the lab's verdicts and the negative controls read these)."""
+    check_run("mismatches", engines, workload)
     from .explain import describe_mismatch
 
     return [describe_mismatch(m, workload) for m in find_mismatches(engines, workload)]

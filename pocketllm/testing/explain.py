@@ -4,14 +4,20 @@ values with their bits, and a snippet that reproduces the failure when pasted in
 from __future__ import annotations
 
 import struct
+from typing import Any
 
+from . import _checks as check
 from .engines import Mismatch
 from .strategies import Workload
 
 
 def fp32_bits(value: float) -> str:
     """The fp32 bit pattern of `value` (a logprob is an fp32 number held in a Python float)."""
-    return "0x" + struct.pack(">f", value).hex()
+    check.real("fp32_bits", "value", value)
+    try:
+        return "0x" + struct.pack(">f", value).hex()
+    except OverflowError:
+        raise check.refuse(ValueError, "fp32_bits", "value", "a real number within fp32's range", value) from None
 
 
 def show(value: float | int | None) -> str:
@@ -25,6 +31,9 @@ def show(value: float | int | None) -> str:
 
 def describe_mismatch(m: Mismatch, workload: Workload) -> str:
     """One line: which job, where it first differs, both runs' token and logprob there."""
+    check.instance("describe_mismatch", "m", m, Mismatch, "a Mismatch")
+    check.instance("describe_mismatch", "workload", workload, Workload, "a Workload")
+    check.integer("describe_mismatch", "m.job", m.job, 0, len(workload.jobs) - 1)
     job = workload.jobs[m.job]
     where = f"generated position {m.position}"
     if m.batched is not None and m.serial is not None:
@@ -41,6 +50,7 @@ def describe_mismatch(m: Mismatch, workload: Workload) -> str:
 
 def reproduction(call: str, imports: tuple[str, ...] = (), **values: str) -> str:
     """A snippet that runs `call` after `imports` and after binding each of `values` (Python source)."""
+    _check_source("reproduction", call, imports, values)
     lines = ["from pocketllm import LLM, EngineArgs, SamplingParams",
              "from pocketllm.scheduler import PrefillPolicy",
              "from pocketllm.testing import *", *imports, ""]
@@ -58,6 +68,16 @@ def class_import(value: object) -> tuple[str, ...]:
 
 def workload_source(workload: Workload) -> str:
     """`workload` as Python source, one job per line."""
+    check.instance("workload_source", "workload", workload, Workload, "a Workload")
     jobs = "".join(f"\n        {job!r}," for job in workload.jobs)
     return f"Workload(\n    jobs=({jobs}\n    ),\n    max_batch_size={workload.max_batch_size},\n" \
            f"    schedule={workload.schedule!r})"
+
+
+def _check_source(where: str, call: Any, imports: Any, values: dict[str, Any]) -> None:
+    """Every piece of a snippet is source text: an object would be pasted as its repr."""
+    check.instance(where, "call", call, str, "a str")
+    check.items(where, "imports", imports, "a tuple of import lines (str)", min_len=0)
+    check.each(where, "imports", imports, str, "an import line (str)")
+    for name, source in values.items():
+        check.instance(where, name, source, str, "Python source (a str)")

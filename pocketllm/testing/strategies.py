@@ -16,9 +16,10 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
-from ..models import cached_checkpoint
+from ..models import PRESETS, cached_checkpoint
 from ..sampling import MAX_SEED, SamplingParams
 from ..scheduler import PrefillPolicy
+from . import _checks as check
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,15 @@ class Job:
     priority: int = 0
     preempt_steps: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        """A prompt must be a tuple: the serial runs are cached by it, and the repr is a reproduction."""
+        check.int_items("Job", "prompt", self.prompt, 0, "a non-empty tuple of token ids", (tuple,), 1)
+        check.instance("Job", "params", self.params, SamplingParams, "a SamplingParams")
+        check.integer("Job", "arrival_step", self.arrival_step, 0)
+        check.optional_int("Job", "cancel_step", self.cancel_step, 0)
+        check.integer("Job", "priority", self.priority)
+        check.int_items("Job", "preempt_steps", self.preempt_steps, 0, "a tuple of steps after arrival (ints >= 0)")
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -45,7 +55,16 @@ class Schedule:
     budget_slack: int
     prefix_reuse: bool
 
+    def __post_init__(self) -> None:
+        """Cuts a PrefillPolicy refuses are refused here, when drawn or written, not when first run."""
+        check.integer("Schedule", "budget_slack", self.budget_slack, 0)
+        try:
+            PrefillPolicy(1, self.chunk_size, self.snapshot_interval, self.prefix_reuse)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"Schedule: {exc}") from None
+
     def policy(self, max_batch_size: int, max_seq_len: int) -> PrefillPolicy:
+        check.positive("Schedule.policy", max_batch_size=max_batch_size, max_seq_len=max_seq_len)
         piece = PrefillPolicy(1, self.chunk_size, self.snapshot_interval).max_piece(max_seq_len)
         return PrefillPolicy(piece + max_batch_size - 1 + self.budget_slack, self.chunk_size, self.snapshot_interval,
                              self.prefix_reuse)
@@ -60,6 +79,14 @@ class Workload:
     max_batch_size: int
     schedule: Schedule | PrefillPolicy | None = None
 
+    def __post_init__(self) -> None:
+        """An empty workload would pass every assertion without running anything."""
+        check.items("Workload", "jobs", self.jobs, "a non-empty tuple of Job")
+        check.each("Workload", "jobs", self.jobs, Job, "a Job")
+        check.positive("Workload", max_batch_size=self.max_batch_size)
+        check.instance("Workload", "schedule", self.schedule, (Schedule, PrefillPolicy, type(None)),
+                       "a Schedule, a PrefillPolicy or None")
+
 
 # Boundary values of each sampling field beside ordinary ones: greedy and the smallest temperature
 # that samples, top-k 1 (greedy by another road) and past any vocabulary, top-p just below 1 and tiny.
@@ -71,6 +98,8 @@ TOP_PS = (1.0, 1.0, 0.9, 0.5, 1e-6, 0.99999994)
 def sampling_params(max_tokens: int = 24, logprobs: bool = False) -> st.SearchStrategy[SamplingParams]:
     """Greedy and seeded sampling with temperature, top-k and top-p (ordinary and boundary values),
     1..max_tokens new tokens, EOS honoured or not; with `logprobs`, 0..5 alternatives per token too."""
+    check.positive("sampling_params", max_tokens=max_tokens)
+    check.flag("sampling_params", "logprobs", logprobs)
     return st.builds(SamplingParams, max_tokens=st.integers(1, max_tokens), temperature=st.sampled_from(TEMPERATURES),
                      top_k=st.sampled_from(TOP_KS), top_p=st.sampled_from(TOP_PS), seed=st.integers(0, MAX_SEED),
                      ignore_eos=st.booleans(), logprobs=st.none() | st.integers(0, 5) if logprobs else st.none())
@@ -78,6 +107,9 @@ def sampling_params(max_tokens: int = 24, logprobs: bool = False) -> st.SearchSt
 
 def prompts(vocab: int, max_len: int = 64, min_len: int = 1) -> st.SearchStrategy[tuple[int, ...]]:
     """Token ids below `vocab`, min_len..max_len of them."""
+    check.positive("prompts", vocab=vocab)
+    check.integer("prompts", "min_len", min_len, 0)
+    check.integer("prompts", "max_len", max_len, max(1, min_len), rule=f"an int >= 1 and >= min_len ({min_len})")
     return st.lists(st.integers(0, vocab - 1), min_size=min_len, max_size=max_len).map(tuple)
 
 
@@ -91,6 +123,15 @@ def request_streams(vocab: int, max_prompt: int = 64, max_jobs: int = 12, max_to
     urgent requests preempt running ones when the slots are full. `preemptions`: besides, each job is
     preempted at `preemptions`..3 random steps, and half the prompts span several prefill pieces.
     `schedule`: a drawn Schedule (budgets, chunk sizes, snapshot intervals, reuse) to run on."""
+    where = "request_streams"
+    check.positive(where, vocab=vocab, max_prompt=max_prompt, max_jobs=max_jobs, max_tokens=max_tokens,
+                   max_batch_size=max_batch_size)
+    for name, value in (("system_prompts", system_prompts), ("priorities", priorities), ("schedule", schedule)):
+        check.flag(where, name, value)
+    check.optional_int(where, "preemptions", preemptions, 0)
+    if params is not None:
+        check.instance(where, "params", params, st.SearchStrategy,
+                       "None or a Hypothesis strategy of SamplingParams (a fixed one: hypothesis.strategies.just(...))")
     token = st.integers(0, vocab - 1)
     job_params = params if params is not None else sampling_params(max_tokens)
     preempt = (st.lists(st.integers(1, 14), min_size=preemptions, max_size=max(preemptions, 3)).map(tuple)
@@ -117,12 +158,14 @@ def request_streams(vocab: int, max_prompt: int = 64, max_jobs: int = 12, max_to
 def workloads(vocab: int, max_prompt: int = 64, max_jobs: int = 12, max_tokens: int = 24
               ) -> st.SearchStrategy[Workload]:
     """Jobs with arrivals and cancellations on 1..8 slots, on the engine's own policy."""
+    check.positive("workloads", vocab=vocab, max_prompt=max_prompt, max_jobs=max_jobs, max_tokens=max_tokens)
     return request_streams(vocab, max_prompt, max_jobs, max_tokens)
 
 
 def prefix_workloads(vocab: int, max_prompt: int = 200, max_jobs: int = 8, max_tokens: int = 12
                      ) -> st.SearchStrategy[Workload]:
     """Shared system prompts, arrivals and cancellations on 1..6 slots, on a drawn Schedule."""
+    check.positive("prefix_workloads", vocab=vocab, max_prompt=max_prompt, max_jobs=max_jobs, max_tokens=max_tokens)
     return request_streams(vocab, max_prompt, max_jobs, max_tokens, max_batch_size=6, system_prompts=True,
                            schedule=True)
 
@@ -131,6 +174,9 @@ def preemption_workloads(vocab: int, max_prompt: int = 150, max_jobs: int = 8, m
                          min_preempts: int = 0) -> st.SearchStrategy[Workload]:
     """Priorities and forced preemptions (`min_preempts`..3 per job) on 1..4 slots, on a drawn
     Schedule; whether a preemption swaps or recomputes is the engine's option."""
+    check.positive("preemption_workloads", vocab=vocab, max_prompt=max_prompt, max_jobs=max_jobs,
+                   max_tokens=max_tokens)
+    check.integer("preemption_workloads", "min_preempts", min_preempts, 0)
     return request_streams(vocab, max_prompt, max_jobs, max_tokens, max_batch_size=4, priorities=True,
                            preemptions=min_preempts, schedule=True)
 
@@ -144,12 +190,18 @@ def schedules() -> st.SearchStrategy[Schedule]:
 def checkpoints(presets: tuple[str, ...] = ("tiny", "qwen3.5-tiny"), seed: int = 0) -> st.SearchStrategy[Path]:
     """Paths of random-weight checkpoints of `presets` (see `pocketllm.PRESETS`), each written once
     into the checkpoint cache (`$POCKETLLM_CACHE`) and reused by every later example and run."""
+    check.items("checkpoints", "presets", presets, "a non-empty tuple of preset names")
+    for index, preset in enumerate(presets):
+        check.one_of("checkpoints", f"presets[{index}]", preset, sorted(PRESETS))
+    check.integer("checkpoints", "seed", seed, 0)
     return st.sampled_from(presets).map(lambda preset: cached_checkpoint(preset, seed))
 
 
 def op_cases(op: str, dtypes: tuple[str, ...] = ("float32",)) -> st.SearchStrategy:
     """The points of `op`'s case grid (the kernel lab's: odd lengths, GQA ratios, head dims, empty and
     one-row batches, NaN beyond each sequence) in `dtypes`, as `pocketllm.lab.cases.Case`s."""
+    check.op_name("op_cases", op)
+    check.dtype_names("op_cases", "dtypes", dtypes)
     import torch
 
     from ..lab.cases import op_cases as grid

@@ -76,6 +76,22 @@ def test_own_order_is_batch_and_thread_invariant(single_torch_thread):
         lo += n
 
 
+def test_rows_of_other_slots_at_the_next_positions_keep_their_own_keys(single_torch_thread):
+    """The kernel groups consecutive rows of one slot into blocks that read each key once; rows of
+    different slots whose positions follow each other (decode rows, a piece followed by another
+    slot's piece) must not join a block: each row's bits are the row computed alone."""
+    attention_rows = load_extension().attention_rows
+    layout = LAYOUTS[1]
+    k, v, scale = _cache(layout, slots=4, seed=4)
+    slots = [0, 1, 2, 1, 3, 3, 3, 0, 2]
+    positions = [5, 6, 7, 8, 9, 10, 11, 12, 13]  # each row at its predecessor's position + 1
+    q = torch.randn(len(slots), layout[0], layout[2])
+    together = attention_rows(q, k, v, _long(slots), _long(positions), scale)
+    for i, (slot, position) in enumerate(zip(slots, positions)):
+        alone = attention_rows(q[i:i + 1].contiguous(), k, v, _long([slot]), _long([position]), scale)
+        assert torch.equal(together[i:i + 1], alone), (i, slot, position)
+
+
 def test_the_fallback_pairs_prefill_rows_with_decode_rows():
     """fp16 is not the kernel's: both ops fall back, prefill row by row as the fused decode."""
     layout = LAYOUTS[1]

@@ -196,6 +196,20 @@ def test_bf16_weights_give_the_bits_of_the_same_weights_in_fp32(variant, m, k):
     torch.testing.assert_close(got.double(), x.double() @ narrow.double().T + b.double(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+@pytest.mark.parametrize("residue", range(16))
+def test_every_k_residue_is_the_documented_order(variant, weights, residue):
+    """Each tail length K % 16 (0..15), below and above one 16-lane step, by the direct tiles (1 and 5
+    rows) and the packed ones (20 rows), fp32 and bf16 weights: the documented order, bit for bit. A
+    tail load that reads a wrong lane for some residues only is caught here."""
+    for k in (residue or 16, 32 + residue):
+        for m in (1, 5, 20):
+            x, w, b = _data(m, 19, k, seed=1000 * m + k)
+            w = w.to(getattr(torch, weights))
+            assert torch.equal(EXT.linear(x, w, b, variant), _documented_order(x, w.float(), b)), (m, k)
+
+
 def test_bf16_weights_under_narrow_rows_round_once():
     """Rows in bf16 (an engine in bf16) over bf16 weights: widened, multiplied in the fixed order,
     rounded once to bf16."""

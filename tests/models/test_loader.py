@@ -264,11 +264,14 @@ def _config(generation=None, **changes) -> ModelConfig:
 
 
 def test_rope_theta_from_rope_parameters_or_top_level():
-    """rope_parameters.rope_theta (transformers 5) wins over a top-level rope_theta; either alone
-    is used; neither gives the 10000 default."""
+    """rope_parameters.rope_theta (transformers 5) or a top-level rope_theta (4.x): either alone is
+    used, both when they agree; when they disagree the file is refused (transformers 5 would take
+    the first, 4.x the second); neither gives the 10000 default."""
     assert _config(rope_theta=123456.0).rope_theta == 123456.0
     assert _config(rope_parameters={"rope_type": "default", "rope_theta": 5e5}).rope_theta == 5e5
-    assert _config(rope_parameters={"rope_type": "default", "rope_theta": 5e5}, rope_theta=7e5).rope_theta == 5e5
+    assert _config(rope_parameters={"rope_type": "default", "rope_theta": 5e5}, rope_theta=5e5).rope_theta == 5e5
+    with pytest.raises(CheckpointError, match="'rope_parameters.rope_theta'=500000.0 and 'rope_theta'=700000.0"):
+        _config(rope_parameters={"rope_type": "default", "rope_theta": 5e5}, rope_theta=7e5)
     assert _config(rope_parameters={"rope_type": "default"}, rope_theta=7e5).rope_theta == 7e5
     assert _config().rope_theta == 10000.0
     with pytest.raises(ValueError, match="rope_type 'yarn'"):

@@ -193,6 +193,47 @@ def test_without_the_tree_tp2_differs_from_tp1(checkpoint_dir, variant):
         engines.close()
 
 
+def _shared_prefix_jobs(new_tokens: int = 6) -> tuple[Job, ...]:
+    """Three requests sharing 70 tokens: the second arrives once the first has ended and resumes
+    in its slot (kept positions 0..63), the third while the second runs, so its first 64
+    positions are copied from the second's slot; one of them sampled, two greedy."""
+    rng = random.Random(11)
+    shared = tuple(rng.randrange(VOCAB) for _ in range(70))
+    params = [SamplingParams(max_tokens=new_tokens, temperature=t, seed=s, logprobs=1, ignore_eos=True)
+              for t, s in ((0.0, 1), (0.8, 2), (0.0, 3))]
+    prompts = [shared + (1, 2, 3), shared + (4,) * 20, shared[:66]]
+    return tuple(Job(prompt, p, arrival_step=arrival) for prompt, p, arrival in zip(prompts, params, (0, 10, 12)))
+
+
+def test_a_hybrid_reusing_a_prefix_at_tp2_resumes_from_the_kept_states(checkpoint_dir):
+    """Qwen3.5 at TP=2: later requests reuse the first one's 64 prefilled positions, in its slot
+    and copied to another (every rank restores its shard of the Gated DeltaNet states kept at
+    position 64), and still give the TP=1 serial bits. A worker that zeroes the states of a
+    reused or copied prefix instead fails this."""
+    engines = Engines(checkpoint_dir("qwen3.5"), max_seq_len=MAX_SEQ_LEN, batched_args=TP2, **OPTIONS)
+    try:
+        schedule = Schedule(chunk_size=64, snapshot_interval=64, budget_slack=0, prefix_reuse=True)
+        assert_batch_invariant(engines, Workload(_shared_prefix_jobs(), 3, schedule))
+        stats = engines.scheduler(3).get_stats()
+        assert (stats.prefix_tokens_reused, stats.prefix_copies) == (2 * 64, 1)
+    finally:
+        engines.close()
+
+
+@pytest.mark.slow  # four ranks on two cores
+def test_tp4_batched_equals_tp1_serial(checkpoint_dir):
+    """TP=4 (one query head per rank; the two K/V heads replicated to the ranks that read them), a
+    prefix reused: every request's tokens and logprobs are the TP=1 serial bits."""
+    engines = Engines(checkpoint_dir("tiny"), max_seq_len=MAX_SEQ_LEN, batched_args={"tensor_parallel_size": 4},
+                      **OPTIONS)
+    try:
+        schedule = Schedule(chunk_size=64, snapshot_interval=64, budget_slack=0, prefix_reuse=True)
+        assert_batch_invariant(engines, Workload((*_fixed_jobs(3), *_shared_prefix_jobs()), 3, schedule))
+        assert engines.scheduler(3).get_stats().prefix_tokens_reused >= 2 * 64
+    finally:
+        engines.close()
+
+
 def test_close_stops_the_workers_and_a_second_engine_runs_beside_the_first(checkpoint_dir):
     """Two TP=2 engines in one process each have their own group; close() ends each one's worker."""
     path = checkpoint_dir("tiny")
@@ -262,6 +303,23 @@ def test_workers_exit_when_the_engine_process_dies(checkpoint_dir, tmp_path):
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(pid)
+
+
+@pytest.mark.slow  # two fresh interpreters import torch and the package
+def test_a_script_without_a_main_guard_gets_an_error_that_names_it(checkpoint_dir, tmp_path):
+    """Workers are spawned: each re-imports the script, and a script that builds a TP engine at
+    import makes the worker fail before it reports. The engine raises WorkerError naming the usual
+    cause, promptly, instead of an EOFError from its pipe or a hang."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent(f"""
+        from pocketllm import LLM, EngineArgs
+        LLM(EngineArgs(model={str(checkpoint_dir("tiny"))!r}, max_seq_len=64, tensor_parallel_size=2))
+    """))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("pocketllm.parallel.workers.WorkerError: tensor-parallel worker 1 exited with code 1 "
+                           "while loading") and "if __name__ == '__main__':" in last, run.stderr[-2000:]
 
 
 def _alive(pid: int) -> bool:

@@ -17,10 +17,9 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-import uvicorn  # noqa: E402
-
 from pocketllm import LLM, AsyncLLM, EngineArgs, write_checkpoint  # noqa: E402
 from pocketllm.serve import build_app  # noqa: E402
+from pocketllm.serve.server import GracefulServer  # noqa: E402
 
 MAX_SEQ_LEN = 256
 MAX_BATCH = 4
@@ -28,13 +27,13 @@ MODEL = "tiny"
 
 
 @contextlib.contextmanager
-def running_server(engine: AsyncLLM, name: str = MODEL) -> Iterator[str]:
-    """The server's base URL while it runs; stopped (requests finished) on leaving."""
+def running_server(engine: AsyncLLM, name: str = MODEL, graceful_timeout: float = 5) -> Iterator[str]:
+    """The server's base URL while it runs, as `pocketllm serve` runs it; stopped on leaving (what
+    still runs after `graceful_timeout` seconds is aborted)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, name), host="127.0.0.1", port=port,
-                                           log_level="warning", timeout_graceful_shutdown=5))
+    server = GracefulServer(build_app(engine, name), "127.0.0.1", port, graceful_timeout, log_level="warning")
     thread = threading.Thread(target=server.run, name="pocketllm-test-server", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
