@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-import pocketllm.llm
+import pocketllm.op_table
 from pocketllm import LLM, EngineArgs, SamplingParams, write_checkpoint
 from pocketllm.kernels import Ops
 
@@ -118,14 +118,14 @@ def soak(path: Path, requests: int, seed: int = 0, max_batch_size: int = 8, faul
     empty `problems` list when every promise held)."""
     rng = random.Random(seed)
     fault = SeedFault()
-    real_get_ops = pocketllm.llm.get_ops
-    pocketllm.llm.get_ops = lambda *a, **k: fault.edit(real_get_ops(*a, **k))
+    real_get_ops = pocketllm.op_table.get_ops
+    pocketllm.op_table.get_ops = lambda *a, **k: fault.edit(real_get_ops(*a, **k))
     try:
         llm = LLM(EngineArgs(model=str(path), max_seq_len=16,
                              backend_options={"enable_batching": True, "max_batch_size": max_batch_size,
                                               "background_thread": False}))
     finally:
-        pocketllm.llm.get_ops = real_get_ops
+        pocketllm.op_table.get_ops = real_get_ops
     s = llm.scheduler
     work = plan(requests, llm.model_config.vocab_size, rng, fault_rate, cancel_rate)
     callback_calls = [0] * len(work)

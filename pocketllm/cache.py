@@ -257,7 +257,7 @@ class SlotCache:
 
     def drop_swap(self, swapped: SwappedSlot) -> None:
         """Let go of a swapped-out slot that will not be swapped in: the host copy is the object
-        itself here (a tensor-parallel cache also tells its workers, see `parallel/workers.py`)."""
+        itself here (a tensor-parallel cache also tells its workers, see `workers.py`)."""
 
     @property
     def prefix_state_nbytes(self) -> int:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn, cast
+from typing import Any, cast
 
+from .command_line import OneLineParser, one_line, run_command
 from .config import DTYPES, EngineArgs
 from .llm import LLM
 from .models import PRESETS, cached_checkpoint, write_checkpoint
@@ -25,13 +25,6 @@ def _token_list(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"--prompt-tokens must be comma-separated ints with no empty item, "
                                          f"got {text!r}") from None
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """A usage error is one line on stderr (naming the subcommand and pointing to --help), exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 DEMO_PROMPTS = ["The quick brown fox", "Once upon a time", "pocketllm", "1, 2, 3,", "Hello, world!",
@@ -138,7 +131,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"total={1000 * (result.total_time_s or 0.0):.1f}ms cache={llm.capabilities.cache_bytes / 2**20:.1f}MiB",
           file=sys.stderr)
     if result.error is not None:
-        print(f"pocketllm generate: error: {_one_line(result.error)}", file=sys.stderr)
+        print(f"pocketllm generate: error: {one_line(result.error)}", file=sys.stderr)
     return 0 if result.finish_reason in ("stop", "length") else 1
 
 
@@ -224,24 +217,6 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     return run_command(args.command, lambda: args.func(args))
-
-
-def run_command(command: str, body: Callable[[], int]) -> int:
-    """`body`'s exit status, keeping the command line's promise of no traceback for a user error:
-    a bad value (CheckpointError is a ValueError), a path that cannot be read or written or a
-    missing optional package is one line on stderr and status 2; Ctrl-C is one line and 130."""
-    try:
-        return body()
-    except (ValueError, TypeError, OSError, ImportError) as exc:
-        print(f"pocketllm {command}: error: {_one_line(str(exc))}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"pocketllm {command}: interrupted", file=sys.stderr)
-        return 130
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -154,16 +155,10 @@ class ConfigDefaults:
         return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
 
 
-def _family_defaults(architecture: str, source: str) -> ConfigDefaults:
-    """The defaults of the family that loads `architecture`; a CheckpointError naming it and the
-    supported architectures when no family does. Imported when a config is parsed, not with this
-    module: the families live with the models, which import this module."""
-    from .models.registry import ARCHITECTURES
-
-    family = ARCHITECTURES.get(architecture)
-    if family is None:
-        raise CheckpointError(f"{source}: unknown architecture {architecture!r}; supported: {sorted(ARCHITECTURES)}")
-    return family.defaults
+# (architecture, source) -> its family's defaults; a CheckpointError naming the supported ones for an
+# unknown architecture. The model registry passes its own (`models.read_config`): this module knows
+# no family.
+DefaultsOf = Callable[[str, str], ConfigDefaults]
 
 
 @dataclass(frozen=True)
@@ -216,10 +211,10 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> ModelConfig:
-        """Parse `path`/config.json (and generation_config.json when present). A file that is not a
-        JSON object, or a field of the wrong type or an impossible value, is a CheckpointError
-        naming the file and the field."""
+    def from_dir(cls, path: str | Path, defaults_of: DefaultsOf) -> ModelConfig:
+        """Parse `path`/config.json (and generation_config.json when present), a family's omitted fields
+        from `defaults_of`. A file that is not a JSON object, or a field of the wrong type or an
+        impossible value, is a CheckpointError naming the file and the field."""
         path = Path(path)
         config_file = path / "config.json"
         if not config_file.is_file():
@@ -227,10 +222,11 @@ class ModelConfig:
         raw = read_json_object(config_file)
         generation_file = path / "generation_config.json"
         generation = read_json_object(generation_file) if generation_file.is_file() else {}
-        return cls.from_dict(raw, generation, source=str(config_file), generation_source=str(generation_file))
+        return cls.from_dict(raw, defaults_of, generation, source=str(config_file),
+                             generation_source=str(generation_file))
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None,
+    def from_dict(cls, raw: dict[str, Any], defaults_of: DefaultsOf, generation: dict[str, Any] | None = None,
                   source: str = "config.json", generation_source: str = "generation_config.json") -> ModelConfig:
         architecture, fields = _language_model_fields(raw, source)
         if fields.get("use_sliding_window", bool, False):
@@ -245,7 +241,7 @@ class ModelConfig:
         if heads % kv_heads:
             raise CheckpointError(f"{source}: num_attention_heads={heads} is not a multiple of "
                                   f"num_key_value_heads={kv_heads}")
-        defaults = _family_defaults(architecture, source)
+        defaults = defaults_of(architecture, source)
         layer_types = _layer_types(fields, defaults, source)
         layers = len(layer_types)
         hidden = fields.positive_int("hidden_size")

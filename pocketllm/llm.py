@@ -15,25 +15,26 @@ import torch
 
 from .cache import RecurrentCacheSpec, SlotCache, cache_bytes, require_memory
 from .chat import Message, load_chat_template, render_chat
-from .config import EngineArgs, ModelConfig
-from .kernels import IMPLEMENTATIONS, Ops, get_ops
+from .config import EngineArgs
+from .kernels import Ops
 from .kernels.backends import get_backend
 from .kernels.gated_delta_prefill import needs_replay
 from .kernels.probe import GatedDeltaProbe, ProbeReport, probe_row_invariance
 from .models import build_model
-from .models.registry import layer_specs
+from .models.registry import layer_specs, read_config
+from .op_table import op_table
 from .outputs import GenerationResult
 from .parallel.group import TensorParallel
 from .parallel.shard import check_parallel
 from .parallel.tree import tree_enabled
-from .parallel.workers import ParallelCache, Workers
 from .runner import ModelRunner
-from .sampling import SamplingParams
+from .sampling import SamplingParams, params_for
 from .scheduler import BatchScheduler, PrefillPolicy, Request, check_submission, is_array
 from .scheduler.policy import check_preemption_mode
 from .scheduler.slots import SlotManager
 from .scheduler.stream import TokenDelta
 from .tokenizer import load_tokenizer
+from .workers import ParallelCache, Workers
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -74,7 +75,7 @@ class LLM:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.device = torch.device(args.device)
-        self.model_config = ModelConfig.from_dir(args.model)
+        self.model_config = read_config(args.model)
         engine = args.options.engine
         self.policy = self._prefill_policy()  # its token budget is checked where it is spent: the scheduler
         self._check_memory()
@@ -291,7 +292,7 @@ class LLM:
                 isinstance(prompt_tokens, Sequence) and len(prompt_tokens) > 0
                 and (is_array(prompt_tokens[0]) or isinstance(prompt_tokens[0], Sequence)))
             token_prompts = [prompt_tokens] if single else list(prompt_tokens)
-        params_list = _params_list(sampling_params, len(token_prompts))
+        params_list = params_for(sampling_params, len(token_prompts))
         if self.scheduler is not None:
             # Checked, stepped and decoded there, on this thread (see BatchScheduler.generate).
             results = self.scheduler.generate(list(zip(token_prompts, params_list)), priority)
@@ -370,27 +371,6 @@ class LLM:
         return request.result()
 
 
-# The implementations that multiply bf16 weights under fp32 rows (`weight_dtype`): the C++ kernel's.
-FIXED_ORDER = ("fixed_order", "fixed_order_avx2")
-
-
-def op_table(args: EngineArgs) -> Ops:
-    """The op table `args` selects: the one place it is built, so every tensor-parallel rank runs
-    the same ops as rank 0. Weights narrower than the rows (`weight_dtype`) need the ops that
-    multiply them to be the C++ fixed-order kernel; ValueError naming the field otherwise."""
-    options = args.options.backend
-    ops = get_ops(args.backend, options.batch_invariant, options.decode_per_row, args.op_overrides,
-                  options.exact_positions)
-    if args.torch_weight_dtype != args.torch_dtype:
-        others = [op for op in ("linear", "prefill_linear", "moe")
-                  if getattr(ops, op) not in (IMPLEMENTATIONS[op].get(name) for name in FIXED_ORDER)]
-        if others or args.device != "cpu":
-            raise ValueError(f"weight_dtype={args.weight_dtype!r} with dtype={args.dtype!r} needs the torch backend's "
-                             f"C++ fixed-order kernels on the CPU (exact positions on, a C++ compiler here); this "
-                             f"engine runs {', '.join(others) or 'on a CUDA device'} on other implementations")
-    return ops
-
-
 def _on_own_thread(fn: Callable[[], T]) -> T:
     """fn() on a short-lived thread (its OpenMP team ends with it); its exception is raised here."""
     box: list[Any] = []
@@ -408,23 +388,3 @@ def _on_own_thread(fn: Callable[[], T]) -> T:
     if not ok:
         raise value
     return value
-
-
-def _params_list(sampling_params: Any, count: int) -> list[SamplingParams]:
-    """One SamplingParams per prompt: None (defaults) or one SamplingParams for all, or a list of them."""
-    if sampling_params is None:
-        sampling_params = SamplingParams()
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * count
-    if isinstance(sampling_params, Mapping):
-        raise TypeError("sampling_params must be a SamplingParams or a list of them, got a dict; "
-                        "use SamplingParams(**the_dict)")
-    if isinstance(sampling_params, (str, bytes)) or not isinstance(sampling_params, Sequence):
-        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
-                        f"got {type(sampling_params).__name__}")
-    if len(sampling_params) != count:
-        raise ValueError(f"got {len(sampling_params)} sampling_params for {count} prompts")
-    for params in sampling_params:  # None stands for the defaults only in place of the whole argument
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-    return list(sampling_params)

@@ -16,8 +16,8 @@ import torch
 
 from .cache import SlotCache
 from .models import ForwardBatch, Model
-from .parallel.workers import Workers
 from .sampling import SamplingParams
+from .workers import Workers
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def _as_int64(seed: int) -> int:
 
 class ModelRunner:
     """`workers`: a tensor-parallel engine's other ranks, which run each forward on their shards
-    of the model from the same batch description (see `parallel/workers.py`)."""
+    of the model from the same batch description (see `workers.py`)."""
 
     def __init__(self, model: Model, cache: SlotCache, device: torch.device | str,
                  workers: Workers | None = None) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 import numbers
 import secrets
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 MAX_SEED = 2**64 - 1
 # Below this temperature sampling is greedy: dividing logits by a smaller one overflows fp32.
@@ -102,3 +104,24 @@ class SamplingParams:
     def resolved_seed(self) -> int:
         """The request's seed: the one given, or a fresh random one."""
         return self.seed if self.seed is not None else secrets.randbits(64)
+
+
+def params_for(sampling_params: Any, count: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt, from what `LLM.generate` takes for `count` prompts: None (the
+    defaults) or one SamplingParams for all, or a list of them."""
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    if isinstance(sampling_params, Mapping):
+        raise TypeError("sampling_params must be a SamplingParams or a list of them, got a dict; "
+                        "use SamplingParams(**the_dict)")
+    if isinstance(sampling_params, (str, bytes)) or not isinstance(sampling_params, Sequence):
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
+                        f"got {type(sampling_params).__name__}")
+    if len(sampling_params) != count:
+        raise ValueError(f"got {len(sampling_params)} sampling_params for {count} prompts")
+    for params in sampling_params:  # None stands for the defaults only in place of the whole argument
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+    return list(sampling_params)

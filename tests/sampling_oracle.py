@@ -1,5 +1,5 @@
 """The documented sampling rule, written out from its specification (the docstring of
-pocketllm/kernels/sample.py and the README), independently of the package's sampler.
+pocketllm/kernels/sample.py and docs/api.md), independently of the package's sampler.
 
 Given float64 logits that may be off by up to `logit_error` from the ones the sampler saw, the
 oracle says which token the rule draws, or that the draw is too close to call: a filter boundary

@@ -29,9 +29,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..cli import OneLineParser, run_command
-from ..config import ModelConfig, check_device
-from ..models import PRESETS, write_checkpoint
+from ..command_line import OneLineParser, run_command
+from ..config import check_device
+from ..models import PRESETS, read_config, write_checkpoint
 from ..sampling import MAX_SEED
 from ..scheduler import SlotEvent
 from .baseline import load_transformers
@@ -98,7 +98,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and write what this install can: 0 also when plots or the baseline are
-    skipped; a user error is one line on stderr and 2, Ctrl-C one line and 130 (`cli.run_command`)."""
+    skipped; a user error is one line on stderr and 2, Ctrl-C one line and 130 (`command_line.run_command`)."""
     args = build_parser().parse_args(argv)
     return run_command("bench", lambda: _run(args))
 
@@ -129,7 +129,7 @@ def _run(args: argparse.Namespace) -> int:
     timeline: list[SlotEvent] = []
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(Path(tmp) / preset, preset, seed=args.seed)
-        workloads = make_workloads(scale.requests, ModelConfig.from_dir(path).vocab_size, args.seed)
+        workloads = make_workloads(scale.requests, read_config(path).vocab_size, args.seed)
         hf_model = None if "transformers_baseline" in skipped else load_transformers(path)
         latency, runs = run_all(path, scale, workloads, hf_model, timeline)
     machine["load_average_1min_at_end"] = load_average()

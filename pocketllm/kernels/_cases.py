@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from .spec import Layout
+
 
 def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=gen) * scale).to(dtype)
@@ -37,6 +39,14 @@ def kv_slot(gen: torch.Generator, start: int, n: int, dims: dict, dtype: torch.d
 
 def attention_shared(gen: torch.Generator, dims: dict, dtype: torch.dtype) -> dict[str, Any]:
     return {"scale": dims["head_dim"] ** -0.5}
+
+
+def attention_layout(max_len: int, grids: list[list[tuple[int, int]]], splittable: bool = False) -> Layout:
+    """The case layout of an attention op: q per token, K/V in each member's slot (a cache of
+    `max_len` positions), every head layout of HEADS with each member grid of `grids`."""
+    return Layout(lambda gen, n, dims, dtype: {"q": randn(gen, n, dims["heads"], dims["head_dim"], dtype=dtype)},
+                  kv_slot, attention_shared,
+                  [({**heads, "max_len": max_len}, grid) for heads in HEADS for grid in grids], splittable=splittable)
 
 
 def conv_slot(gen: torch.Generator, start: int, n: int, dims: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:

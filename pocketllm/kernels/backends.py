@@ -85,8 +85,9 @@ def _triton(implementations: Implementations, batch_invariant: bool, decode_per_
 
 def _own_kernels_build() -> bool:
     """The torch backend is exact by default where its C++ kernels build: they own every reduction
-    order, so exactness costs nothing there (see the README's real-shape tables); without them the
-    exact configuration would multiply prefill rows in 4-row MKL tiles and attend one row per call."""
+    order, so exactness costs nothing there (see docs/measurements.md's real-shape tables); without
+    them the exact configuration would multiply prefill rows in 4-row MKL tiles and attend one row
+    per call."""
     return load_extension() is not None
 
 

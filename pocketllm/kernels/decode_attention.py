@@ -27,11 +27,11 @@ from ._attention import (
     attention_rows_cpu,
     kv_bytes,
 )
-from ._cases import HEADS, attention_shared, decode_grid, kv_slot, randn
+from ._cases import attention_layout, decode_grid
 from ._triton import kernel_device_ok, tl, triton
 from .checks import check_shape
 from .prefill_attention import prefill_attention_triton
-from .spec import Call, Cost, Layout, OpSpec, Step, size
+from .spec import Call, Cost, OpSpec, Step, size
 
 
 class DecodeAttention(Protocol):
@@ -220,9 +220,6 @@ def _cost(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_id
 OP = OpSpec("decode_attention", DecodeAttention,
             {"ref": decode_attention_ref, "fused": decode_attention_fused, "triton": decode_attention_triton,
              "split_kv": decode_attention_split_kv, "own_order": decode_attention_own_order},
-            order=40, cases=Layout(
-                lambda gen, n, dims, dtype: {"q": randn(gen, n, dims["heads"], dims["head_dim"], dtype=dtype)},
-                kv_slot, attention_shared,
-                [({**heads, "max_len": 300}, decode_grid(lengths)) for heads in HEADS
-                 for lengths in ([1], [1, 64, 65, 257], [300, 2, 129])]),
+            order=40, cases=attention_layout(300, [decode_grid(lengths) for lengths in ([1], [1, 64, 65, 257],
+                                                                                          [300, 2, 129])]),
             launches=_launches, cost=_cost)

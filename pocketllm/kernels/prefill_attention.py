@@ -24,10 +24,10 @@ from ._attention import (
     attention_rows_cpu,
     kv_bytes,
 )
-from ._cases import HEADS, attention_shared, kv_slot, randn
+from ._cases import attention_layout
 from ._triton import kernel_device_ok, tl, triton
 from .checks import check_shape
-from .spec import Call, Cost, Layout, OpSpec, Step, size
+from .spec import Call, Cost, OpSpec, Step, size
 
 
 class PrefillAttention(Protocol):
@@ -62,7 +62,8 @@ def prefill_attention_per_row(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Every row as the torch backend decodes it (`decode_attention_fused`: torch's fused attention
     on one query row over keys 0 .. its position), so a position's bits are the same decoded, in a
     prefill piece of any length or cut, or scored: the torch backend's op with `exact_positions`.
-    One call per row instead of one per sequence (what that costs: the README's measured tables)."""
+    One call per row instead of one per sequence (what that costs: the measured tables of
+    docs/measurements.md)."""
     return _prefill_per_sequence(_sdpa_rows, q, k_cache, v_cache, slot_ids, start_positions, cu_seqlens, scale)
 
 
@@ -224,9 +225,6 @@ def _cost(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_id
 OP = OpSpec("prefill_attention", PrefillAttention,
             {"ref": prefill_attention_ref, "fused": prefill_attention_fused, "per_row": prefill_attention_per_row,
              "own_order": prefill_attention_own_order, "triton": prefill_attention_triton},
-            order=30, cases=Layout(
-                lambda gen, n, dims, dtype: {"q": randn(gen, n, dims["heads"], dims["head_dim"], dtype=dtype)},
-                kv_slot, attention_shared,
-                [({**heads, "max_len": 160}, seqs) for heads in HEADS
-                 for seqs in ([(1, 0)], [(5, 0), (70, 0), (1, 9)], [(3, 64), (66, 64), (130, 0)])], splittable=True),
+            order=30, cases=attention_layout(160, [[(1, 0)], [(5, 0), (70, 0), (1, 9)], [(3, 64), (66, 64), (130, 0)]],
+                                             splittable=True),
             launches=_launches, cost=_cost)

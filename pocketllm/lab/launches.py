@@ -31,7 +31,7 @@ from ..kernels.spec import Call, Cost
 from ..models.batch import ForwardBatch
 from ..models.family import Family
 from ..models.presets import PRESETS
-from ..models.registry import FAMILIES, family_of
+from ..models.registry import FAMILIES, config_from_dict, family_of
 
 Phases = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]  # name -> (tokens cached, new tokens) per sequence
 
@@ -175,7 +175,7 @@ def _step(name: str, cfg: ModelConfig, phase: str, shapes: Shapes, device: str, 
 
 
 def _config(name: str) -> ModelConfig:
-    return ModelConfig.from_dict(PRESETS[name], source=f"preset {name!r}")
+    return config_from_dict(PRESETS[name], source=f"preset {name!r}")
 
 
 def model_steps(shapes: Shapes = REAL, device: str = "cpu", seed: int | None = None) -> list[Step]:

@@ -37,7 +37,7 @@ from ..kernels._triton import HAS_TRITON, INTERPRETED, triton
 from ..kernels.registry import IMPLEMENTATIONS, ImplSpec, describe, resolve
 from ..kernels.spec import Call, Cost
 from ..machine import cpu_name
-from .cases import results
+from ..testing.cases import results
 from .launches import OPS, QUICK, REAL, call_cost, model_steps, op_calls
 from .table import markdown_table
 

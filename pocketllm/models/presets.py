@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from ..config import ModelConfig
 from ..tokenizer import byte_level_tokenizer_files
-from .registry import FAMILIES, family_of
+from .registry import FAMILIES, config_from_dict, family_of
 
 PRESETS: dict[str, dict[str, Any]] = {name: raw for family in FAMILIES for name, raw in family.presets.items()}
 
@@ -69,7 +69,7 @@ def write_checkpoint(path: str | Path, preset: str = "tiny", seed: int = 0, init
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     raw = {**PRESETS[preset], **overrides}
-    cfg = ModelConfig.from_dict(raw, source=f"preset {preset!r}")
+    cfg = config_from_dict(raw, source=f"preset {preset!r}")
     nest = family_of(cfg).multimodal
     if multimodal and nest is None:
         with_layout = sorted(name for family in FAMILIES if family.multimodal for name in family.presets)

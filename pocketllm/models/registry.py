@@ -7,11 +7,12 @@ is its registration: the loader, the config parser, the presets and the lab read
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..cache import LayerCacheSpec, attention_spec
-from ..config import ModelConfig
+from ..config import ConfigDefaults, ModelConfig
 from ..kernels import Ops
 from ..parallel.group import SINGLE, TensorParallel
 from ..parallel.shard import local_config, shard_plan
@@ -22,6 +23,27 @@ from .protocol import Model
 
 FAMILIES: tuple[Family, ...] = (qwen3.FAMILY, qwen3_5.FAMILY, qwen3_moe.FAMILY, qwen3_5_moe.FAMILY)
 ARCHITECTURES: dict[str, Family] = {name: family for family in FAMILIES for name in family.architectures}
+
+
+def family_defaults(architecture: str, source: str) -> ConfigDefaults:
+    """What the family of `architecture` lets a config.json leave out; a CheckpointError naming
+    `source` and the supported architectures when no family loads it."""
+    family = ARCHITECTURES.get(architecture)
+    if family is None:
+        raise CheckpointError(f"{source}: unknown architecture {architecture!r}; supported: {sorted(ARCHITECTURES)}")
+    return family.defaults
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of the checkpoint directory `path` (its config.json, generation_config.json),
+    with its family's defaults."""
+    return ModelConfig.from_dir(path, family_defaults)
+
+
+def config_from_dict(raw: dict[str, Any], generation: dict[str, Any] | None = None,
+                     source: str = "config.json") -> ModelConfig:
+    """The ModelConfig of a config.json's contents `raw`, with its family's defaults."""
+    return ModelConfig.from_dict(raw, family_defaults, generation, source=source)
 
 
 def family_of(cfg: ModelConfig) -> Family:

@@ -1,2 +1,2 @@
-"""Tensor parallelism: the ranks' process group, the fixed reduction tree, what each rank loads,
-and the worker processes of a tensor-parallel engine (`workers`)."""
+"""Tensor parallelism's primitives: the ranks' process group, the fixed reduction tree, what each
+rank loads. The worker processes that run on them are `pocketllm.workers`, above the models."""

@@ -18,30 +18,15 @@ import collections
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from ..outputs import GenerationResult
 from .request import Request
 from .stats import Counters
-from .stream import DeltaText, TextDeltas, TokenDelta
+from .stream import Callback, DeltaText, Subscriber, TextDeltas, TokenCallback, TokenDelta
 
 # The scheduler's parts log under the facade's name: one logger to configure for the scheduler.
 logger = logging.getLogger("pocketllm.scheduler.batch_scheduler")
-
-Callback = Callable[[GenerationResult], None]
-TokenCallback = Callable[[TokenDelta], None]
-
-
-@dataclass
-class Subscriber:
-    """Who hears of one request: `callback(result)` once it has ended, `on_token(delta)` after
-    each token, with `deltas` giving them their text when the engine detokenizes."""
-
-    callback: Callback | None
-    on_token: TokenCallback | None
-    deltas: DeltaText
-
 
 def token_delta(request: Request, index: int) -> TokenDelta:
     """Token `index` of `request`, as sampled (without text), with its top-k alternatives when

@@ -11,12 +11,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from ..runner import ModelRunner, SequenceInput, SequenceOutput
 from .request import Request
 from .slots import SlotManager
-from .timeline import SlotEvent
+from .timeline import Span
 
 # The scheduler's parts log under the facade's name: one logger to configure for the scheduler.
 logger = logging.getLogger("pocketllm.scheduler.batch_scheduler")
@@ -24,21 +23,6 @@ logger = logging.getLogger("pocketllm.scheduler.batch_scheduler")
 Work = list[tuple[Request, SequenceInput]]
 # What the forward gave a request whose forward succeeded, else the exception that ended it.
 Outcome = SequenceOutput | BaseException
-
-
-@dataclass(frozen=True)
-class Span:
-    """One forward a request took part in, what it fed and when (for the timeline)."""
-
-    request: Request
-    seq: SequenceInput
-    start: float
-    end: float
-
-    def event(self, step: int, started: float) -> SlotEvent:
-        """The timeline's record of it, in seconds since `started`."""
-        return SlotEvent(step, "decode" if self.seq.decode else "prefill", self.seq.slot, self.request.request_id,
-                         len(self.seq.token_ids), self.start - started, self.end - started)
 
 
 def execute(runner: ModelRunner, slots: SlotManager, work: Work, spans: list[Span]) -> Sequence[Outcome]:

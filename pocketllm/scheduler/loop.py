@@ -10,11 +10,12 @@ from collections.abc import Callable, Sequence
 
 from ..runner import ModelRunner
 from .delivery import Delivery
-from .execute import Outcome, Span, Work, execute
+from .execute import Outcome, Work, execute
 from .planner import Planner
 from .request import Request
 from .slots import SlotManager
 from .stats import Counters
+from .timeline import Span
 from .waits import wait_until
 
 logger = logging.getLogger("pocketllm.scheduler.batch_scheduler")

@@ -19,7 +19,7 @@ from ..sampling import SamplingParams
 from .policy import PrefillPolicy
 
 if TYPE_CHECKING:
-    from .delivery import Subscriber
+    from .stream import Subscriber
 
 
 def is_array(value: Any) -> bool:

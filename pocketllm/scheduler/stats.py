@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..runner import SequenceInput
-    from .execute import Span
     from .request import Request
-    from .timeline import SlotEvent
+    from .timeline import SlotEvent, Span
 
 LATENCY_WINDOW = 100_000  # requests whose TTFT and total time the latency statistics cover
 

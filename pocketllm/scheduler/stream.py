@@ -7,7 +7,8 @@ completes the character, so the pieces always concatenate to the decoded whole. 
 gives one consumer's deltas their text: a delta whose token leaves the text inside a character
 waits for the next token, or for the request's end, however it ends, which flushes what is held
 back; so the text handed out adds up to the result's text whether the request stopped, ran to
-its length, was cancelled or failed.
+its length, was cancelled or failed. `Subscriber` is who hears of one request: its callbacks and
+its `DeltaText`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..outputs import TopLogprobs
+from ..outputs import GenerationResult, TopLogprobs
 
 REPLACEMENT = "\ufffd"
 
@@ -92,3 +93,17 @@ class DeltaText:
             return []
         held, self._held = self._held, None
         return [dataclasses.replace(held, text=self._texts.flush())]
+
+
+Callback = Callable[[GenerationResult], None]
+TokenCallback = Callable[[TokenDelta], None]
+
+
+@dataclass
+class Subscriber:
+    """Who hears of one request: `callback(result)` once it has ended, `on_token(delta)` after
+    each token, with `deltas` giving them their text when the engine detokenizes."""
+
+    callback: Callback | None
+    on_token: TokenCallback | None
+    deltas: DeltaText

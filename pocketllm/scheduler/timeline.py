@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from ..runner import SequenceInput
+    from .request import Request
 
 Phase = Literal["prefill", "decode"]
 
@@ -22,6 +26,21 @@ class SlotEvent:
     num_tokens: int  # tokens this request fed through the forward
     start_s: float  # seconds since the scheduler started
     end_s: float
+
+
+@dataclass(frozen=True)
+class Span:
+    """One forward a request took part in, what it fed and when: a `SlotEvent` to be."""
+
+    request: Request
+    seq: SequenceInput
+    start: float
+    end: float
+
+    def event(self, step: int, started: float) -> SlotEvent:
+        """The timeline's record of it, in seconds since `started`."""
+        return SlotEvent(step, "decode" if self.seq.decode else "prefill", self.seq.slot, self.request.request_id,
+                         len(self.seq.token_ids), self.start - started, self.end - started)
 
 
 def plot_timeline(events: list[SlotEvent], path: str | Path | None = None, title: str = "slot timeline"):

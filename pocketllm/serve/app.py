@@ -67,26 +67,35 @@ def build_app(engine: AsyncLLM, model_name: str | None = None, owns_engine: bool
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
-        state.check_model(req.model)
-        vocab = engine.llm.model_config.vocab_size
-        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"tokens: {bad} is outside the vocabulary [0, {vocab})", "tokens")
-        return {"prompt": state.decode(req.tokens)}
+        return _detokenize(state, req)
 
     @app.get("/metrics")
     async def metrics(format: str = "prometheus") -> Response:
-        if format not in ("prometheus", "json"):
-            raise APIError(400, f"format must be 'prometheus' or 'json', got {format!r}", "format")
-        stats = engine.scheduler.get_stats()
-        values = {**dataclasses.asdict(stats), "tokens_per_s": stats.tokens_per_s,
-                  "free_slots": engine.llm.slots.num_free}
-        if format == "json":
-            return JSONResponse(values)
-        lines = [f"pocketllm_{name} {float(value)!r}" for name, value in values.items()]
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        return _metrics(state, format)
 
     return app
+
+
+def _detokenize(state: ServerState, req: DetokenizeRequest) -> dict[str, Any]:
+    state.check_model(req.model)
+    vocab = state.engine.llm.model_config.vocab_size
+    bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"tokens: {bad} is outside the vocabulary [0, {vocab})", "tokens")
+    return {"prompt": state.decode(req.tokens)}
+
+
+def _metrics(state: ServerState, format: str) -> Response:
+    """The scheduler's counters and the free slots: Prometheus text, or JSON."""
+    if format not in ("prometheus", "json"):
+        raise APIError(400, f"format must be 'prometheus' or 'json', got {format!r}", "format")
+    engine = state.engine
+    stats = engine.scheduler.get_stats()
+    values = {**dataclasses.asdict(stats), "tokens_per_s": stats.tokens_per_s, "free_slots": engine.llm.slots.num_free}
+    if format == "json":
+        return JSONResponse(values)
+    lines = [f"pocketllm_{name} {float(value)!r}" for name, value in values.items()]
+    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
 
 def _tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:

@@ -25,7 +25,7 @@ class UnsupportedParameter(ValueError):
     """A known OpenAI/vLLM parameter at a value pocketllm does not implement."""
 
     def __init__(self, name: str, value: Any) -> None:
-        super().__init__(f"{name} is not supported by pocketllm (got {value!r}); see the README's list of "
+        super().__init__(f"{name} is not supported by pocketllm (got {value!r}); see docs/serving.md's list of "
                          f"refused parameters")
         self.param = name
 

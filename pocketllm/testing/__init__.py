@@ -39,7 +39,8 @@ from .assertions import (
     assert_split_invariant,
     op_case,
 )
-from .engines import Engines, Mismatch, find_mismatches, mismatches, run_batched
+from .engines import Engines, Mismatch, find_mismatches, run_batched
+from .explain import mismatches
 from .strategies import Job, Schedule, Workload
 
 __all__ = ["ContractViolation", "Engines", "Job", "Mismatch", "Schedule", "Workload", "assert_batch_invariant",

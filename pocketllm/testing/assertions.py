@@ -20,13 +20,13 @@ import torch
 
 from ..config import check_device
 from ..kernels.registry import IMPLEMENTATIONS, ImplSpec, describe
-from ..lab.cases import Case, op_cases
-from ..lab.check import Finding, batch_findings, reference_findings, split_findings, under_test
 from ..llm import LLM
 from ..sampling import SamplingParams
 from . import _checks as check
+from .cases import Case, op_cases
 from .engines import Engines, check_run, find_mismatches, python_source
 from .explain import class_import, describe_mismatch, reproduction, show, workload_source
+from .findings import Finding, batch_findings, reference_findings, split_findings, under_test
 from .strategies import Workload
 
 

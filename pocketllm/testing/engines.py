@@ -241,11 +241,3 @@ def _at(result: GenerationResult, position: int) -> tuple[int, float] | None:
     if position >= len(result.token_ids):
         return None
     return result.token_ids[position], result.logprobs[position]
-
-
-def mismatches(engines: Engines, workload: Workload) -> list[str]:
-    """`find_mismatches`, each as one line (the lab's verdicts and the negative controls read these)."""
-    check_run("mismatches", engines, workload)
-    from .explain import describe_mismatch
-
-    return [describe_mismatch(m, workload) for m in find_mismatches(engines, workload)]

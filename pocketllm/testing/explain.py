@@ -7,7 +7,7 @@ import struct
 from typing import Any
 
 from . import _checks as check
-from .engines import Mismatch
+from .engines import Engines, Mismatch, check_run, find_mismatches
 from .strategies import Workload
 
 
@@ -81,3 +81,9 @@ def _check_source(where: str, call: Any, imports: Any, values: dict[str, Any]) -
     check.each(where, "imports", imports, str, "an import line (str)")
     for name, source in values.items():
         check.instance(where, name, source, str, "Python source (a str)")
+
+
+def mismatches(engines: Engines, workload: Workload) -> list[str]:
+    """`find_mismatches`, each as one line (the lab's verdicts and the negative controls read these)."""
+    check_run("mismatches", engines, workload)
+    return [describe_mismatch(m, workload) for m in find_mismatches(engines, workload)]

@@ -199,12 +199,12 @@ def checkpoints(presets: tuple[str, ...] = ("tiny", "qwen3.5-tiny"), seed: int =
 
 def op_cases(op: str, dtypes: tuple[str, ...] = ("float32",)) -> st.SearchStrategy:
     """The points of `op`'s case grid (the kernel lab's: odd lengths, GQA ratios, head dims, empty and
-    one-row batches, NaN beyond each sequence) in `dtypes`, as `pocketllm.lab.cases.Case`s."""
+    one-row batches, NaN beyond each sequence) in `dtypes`, as `pocketllm.testing.cases.Case`s."""
     check.op_name("op_cases", op)
     check.dtype_names("op_cases", "dtypes", dtypes)
     import torch
 
-    from ..lab.cases import op_cases as grid
+    from .cases import op_cases as grid
 
     cases = grid(op, tuple(getattr(torch, name) for name in dtypes))
     return st.sampled_from(cases)

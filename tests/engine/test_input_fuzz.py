@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pocketllm import LLM, EngineArgs, GenerationResult, SamplingParams
+from pocketllm.models import read_config
 
 MAX_SEQ_LEN = 32
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos")
@@ -230,9 +231,8 @@ def test_cache_larger_than_memory_is_refused_before_loading(tiny_checkpoint, mon
 
 def test_cache_size_is_reported(llm, checkpoint_dir):
     """Capabilities and scheduler stats report the slot cache's size: here K and V of every layer."""
-    from pocketllm import ModelConfig
 
-    cfg = ModelConfig.from_dir(checkpoint_dir("tiny"))
+    cfg = read_config(checkpoint_dir("tiny"))
     expected = 2 * cfg.num_hidden_layers * 1 * MAX_SEQ_LEN * cfg.num_key_value_heads * cfg.head_dim * 4
     assert llm.capabilities.cache_bytes == expected == sum(t.numel() * 4 for t in llm.cache.k + llm.cache.v)
     with LLM(EngineArgs(model=str(checkpoint_dir("tiny")), max_seq_len=MAX_SEQ_LEN,

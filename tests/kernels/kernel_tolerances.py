@@ -1,8 +1,8 @@
-"""Kernel-vs-reference tolerances: the lab's one table (`pocketllm.lab.compare.TOLERANCES`)."""
+"""Kernel-vs-reference tolerances: the lab's one table (`pocketllm.testing.compare.TOLERANCES`)."""
 
 import torch
 
-from pocketllm.lab.compare import TOLERANCES
+from pocketllm.testing.compare import TOLERANCES
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None) -> None:

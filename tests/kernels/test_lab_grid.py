@@ -14,8 +14,8 @@ from kernel_impls import DEVICE, UNDER_TEST
 
 from pocketllm.kernels import backend_impls
 from pocketllm.kernels.registry import IMPLEMENTATIONS, OP_NAMES
-from pocketllm.lab.cases import op_cases
 from pocketllm.lab.check import check_kernel, default_dtypes
+from pocketllm.testing.cases import op_cases
 
 # (op, implementation) pairs the engine runs when it promises invariance, plus the one under test.
 INVARIANT = {(op, name) for backend, flags in (("torch", (True, False, True)), ("torch", (True, True, False)),

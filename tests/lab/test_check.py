@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pocketllm.cli import main
-from pocketllm.lab.cases import op_cases, split_member
 from pocketllm.lab.check import check, check_kernel
+from pocketllm.testing.cases import op_cases, split_member
 
 FP32 = (torch.float32,)
 ROOT = Path(__file__).resolve().parents[2]

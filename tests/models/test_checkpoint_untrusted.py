@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from pocketllm import LLM, EngineArgs, ModelConfig, SamplingParams, write_checkpoint
-from pocketllm.models import CheckpointError, load_weights
+from pocketllm import LLM, EngineArgs, SamplingParams, write_checkpoint
+from pocketllm.models import CheckpointError, config_from_dict, load_weights, read_config
 from pocketllm.models.qwen3 import expected_weights
 from pocketllm.tokenizer import load_tokenizer
 
@@ -157,7 +157,7 @@ def test_fuzz_safetensors_header_bytes(single, tmp_path_factory, data):
         corrupted = corrupted[:data.draw(st.integers(0, len(corrupted)), label="length")]
     path = _copy(single, tmp_path_factory.mktemp("fuzz_st"))
     (path / "model.safetensors").write_bytes(bytes(corrupted))
-    cfg = ModelConfig.from_dir(path)
+    cfg = read_config(path)
     assert_loads_or_checkpoint_error(
         lambda: load_weights(path, expected_weights(cfg), torch.float32, "cpu"), path, "model.safetensors")
 
@@ -221,7 +221,7 @@ BAD_FIELDS = [
 def test_config_field_of_wrong_type_or_impossible_value_names_file_and_field(tmp_path, field, value, message):
     (tmp_path / "config.json").write_text(json.dumps({**BASE, field: value}))
     with pytest.raises(CheckpointError) as info:
-        ModelConfig.from_dir(tmp_path)
+        read_config(tmp_path)
     text = str(info.value)
     assert "config.json" in text and field in text and message in text, text
 
@@ -230,14 +230,14 @@ def test_generation_config_errors_name_that_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(BASE))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1.5]}))
     with pytest.raises(CheckpointError, match=r"generation_config\.json: field 'eos_token_id'"):
-        ModelConfig.from_dir(tmp_path)
+        read_config(tmp_path)
 
 
 def test_hybrid_linear_heads_must_divide():
     raw = {**BASE, "architectures": ["Qwen3_5ForCausalLM"], "num_hidden_layers": 4, "linear_num_key_heads": 3,
            "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8}
     with pytest.raises(CheckpointError, match="linear_num_value_heads=4 is not a multiple of linear_num_key_heads=3"):
-        ModelConfig.from_dict(raw)
+        config_from_dict(raw)
 
 
 # -- tensor dtypes and values -----------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ import torch
 from helpers import hf_model, prompt_of
 
 from pocketllm import LLM, EngineArgs, SamplingParams
-from pocketllm.config import CheckpointError, ModelConfig
-from pocketllm.models import ForwardBatch
+from pocketllm.config import CheckpointError
+from pocketllm.models import ForwardBatch, config_from_dict
 
 transformers = pytest.importorskip("transformers")
 
@@ -144,7 +144,7 @@ def test_the_4x_field_names_parse_like_the_5x_ones(written, architecture):
     old = _as_4x(config)
     text = old.get("text_config", old)
     assert "rope_theta" in text and "rope_parameters" not in text and "num_local_experts" not in text
-    assert ModelConfig.from_dict(old) == ModelConfig.from_dict(config)
+    assert config_from_dict(old) == config_from_dict(config)
 
 
 def test_what_transformers_4_57_wrote_parses_like_what_the_installed_one_writes(written):
@@ -152,7 +152,7 @@ def test_what_transformers_4_57_wrote_parses_like_what_the_installed_one_writes(
     renamed by NAMES_4X, the installed version's file has the 4.57.1 file's field names (less the
     null token ids and the dtype that the model's save adds)."""
     config = _config_json(written("Qwen3MoeForCausalLM"))
-    assert ModelConfig.from_dict(QWEN3_MOE_4_57_1) == ModelConfig.from_dict(config)
+    assert config_from_dict(QWEN3_MOE_4_57_1) == config_from_dict(config)
     added = set(_as_4x(config)) - set(QWEN3_MOE_4_57_1)
     assert added <= {"bos_token_id", "pad_token_id", "dtype"}
     assert set(QWEN3_MOE_4_57_1) <= set(_as_4x(config))
@@ -179,23 +179,23 @@ def _moe(**fields) -> dict:
 ])
 def test_two_names_that_disagree_or_none_are_refused_naming_them(fields, message):
     with pytest.raises(CheckpointError, match=message):
-        ModelConfig.from_dict(_moe(**fields))
+        config_from_dict(_moe(**fields))
 
 
 def test_two_names_that_agree_are_read_once():
-    cfg = ModelConfig.from_dict(_moe(num_local_experts=8, rope_theta=5e5,
+    cfg = config_from_dict(_moe(num_local_experts=8, rope_theta=5e5,
                                      rope_parameters={"rope_type": "default", "rope_theta": 5e5}))
     assert (cfg.num_experts, cfg.rope_theta) == (8, 5e5)
-    assert ModelConfig.from_dict(_moe(num_experts=..., num_local_experts=8)) == ModelConfig.from_dict(_moe())
+    assert config_from_dict(_moe(num_experts=..., num_local_experts=8)) == config_from_dict(_moe())
 
 
 def test_a_qwen3_moe_config_without_head_dim_has_heads_of_hidden_size_over_heads():
     """As transformers' Qwen3-MoE attention computes them (its config class declares no head_dim)."""
-    assert ModelConfig.from_dict(_moe(head_dim=...)).head_dim == 64 // 4
+    assert config_from_dict(_moe(head_dim=...)).head_dim == 64 // 4
 
 
 def test_qwen3_5_moe_renormalises_the_top_k_whatever_norm_topk_prob_says():
     """As transformers' Qwen3.5-MoE router does (its config class declares no norm_topk_prob)."""
     from pocketllm.models import PRESETS
 
-    assert ModelConfig.from_dict({**PRESETS["qwen3.5-moe-tiny"], "norm_topk_prob": False}).norm_topk_prob
+    assert config_from_dict({**PRESETS["qwen3.5-moe-tiny"], "norm_topk_prob": False}).norm_topk_prob

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pocketllm import LLM, EngineArgs, ModelConfig, SamplingParams, write_checkpoint
-from pocketllm.models import CheckpointError, load_weights
+from pocketllm.models import CheckpointError, config_from_dict, load_weights, read_config
 from pocketllm.models.qwen3 import expected_weights, skip_weight
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,7 +37,7 @@ def _engine(path: Path, **kwargs) -> LLM:
 
 
 def _expected(path: Path) -> dict[str, tuple[int, ...]]:
-    return expected_weights(ModelConfig.from_dir(path))
+    return expected_weights(read_config(path))
 
 
 def _rewrite(path: Path, edit) -> None:
@@ -260,7 +260,7 @@ BASE = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 100, "hidden_size":
 
 def _config(generation=None, **changes) -> ModelConfig:
     raw = {**BASE, **changes}
-    return ModelConfig.from_dict({k: v for k, v in raw.items() if v is not ...}, generation)
+    return config_from_dict({k: v for k, v in raw.items() if v is not ...}, generation)
 
 
 def test_rope_theta_from_rope_parameters_or_top_level():
@@ -293,7 +293,7 @@ def test_eos_ids_merge_generation_config_and_config(tmp_path, generation, config
     (tmp_path / "config.json").write_text(json.dumps(raw))
     if generation:
         (tmp_path / "generation_config.json").write_text(json.dumps(generation))
-    assert ModelConfig.from_dir(tmp_path).eos_token_ids == expected
+    assert read_config(tmp_path).eos_token_ids == expected
 
 
 def test_head_dim_and_kv_heads_defaults():
@@ -320,7 +320,7 @@ def test_config_matches_transformers_parse(source_checkpoint):
     """On a written checkpoint, pocketllm's ModelConfig agrees with transformers' own parse."""
     from transformers import AutoConfig
 
-    ours = ModelConfig.from_dir(source_checkpoint)
+    ours = read_config(source_checkpoint)
     theirs = AutoConfig.from_pretrained(source_checkpoint)
     assert ours.architecture == theirs.architectures[0]
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -10,8 +10,8 @@ import torch
 from helpers import hf_model, prompt_of
 
 from pocketllm import LLM, EngineArgs, SamplingParams, write_checkpoint
-from pocketllm.config import CheckpointError, ModelConfig
-from pocketllm.models import ForwardBatch
+from pocketllm.config import CheckpointError
+from pocketllm.models import ForwardBatch, config_from_dict
 
 transformers = pytest.importorskip("transformers")
 
@@ -86,10 +86,10 @@ def _raw(preset: str, **fields) -> dict:
 
 
 def test_moe_fields_are_parsed_and_sparse_layers_follow_transformers():
-    cfg = ModelConfig.from_dict(_raw("qwen3-moe-tiny", num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3]))
+    cfg = config_from_dict(_raw("qwen3-moe-tiny", num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3]))
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (8, 2, 32, True)
     assert [cfg.sparse_layer(i) for i in range(6)] == [False, True, False, False, False, True]
-    hybrid = ModelConfig.from_dict(_raw("qwen3.5-moe-tiny", decoder_sparse_step=2, mlp_only_layers=[0]))
+    hybrid = config_from_dict(_raw("qwen3.5-moe-tiny", decoder_sparse_step=2, mlp_only_layers=[0]))
     assert hybrid.norm_topk_prob and hybrid.shared_expert_intermediate_size == 64 and hybrid.intermediate_size == 0
     assert all(hybrid.sparse_layer(i) for i in range(hybrid.num_hidden_layers))  # no dense layers in Qwen3.5-MoE
 
@@ -103,14 +103,14 @@ def test_moe_fields_are_parsed_and_sparse_layers_follow_transformers():
 ])
 def test_bad_moe_fields_are_refused_naming_the_field(fields, message):
     with pytest.raises(CheckpointError, match=message):
-        ModelConfig.from_dict(_raw("qwen3-moe-tiny", **fields))
+        config_from_dict(_raw("qwen3-moe-tiny", **fields))
 
 
 def test_qwen3_5_moe_needs_its_shared_expert_width():
     raw = _raw("qwen3.5-moe-tiny")
     raw.pop("shared_expert_intermediate_size")
     with pytest.raises(CheckpointError, match="missing required field 'shared_expert_intermediate_size'"):
-        ModelConfig.from_dict(raw)
+        config_from_dict(raw)
 
 
 @pytest.mark.parametrize("architecture", ["Qwen3NextForCausalLM", "Qwen2MoeForCausalLM"])
@@ -120,4 +120,4 @@ def test_an_unknown_architecture_is_named_with_the_supported_ones(architecture):
     raw = _raw("qwen3.5-moe-tiny", architectures=[architecture])
     with pytest.raises(CheckpointError, match=rf"unknown architecture '{architecture}'; supported: .*"
                                               r"'Qwen3MoeForCausalLM'.*'Qwen3_5MoeForConditionalGeneration'"):
-        ModelConfig.from_dict(raw)
+        config_from_dict(raw)

@@ -23,7 +23,7 @@ from helpers import budget
 from hypothesis import given, settings
 
 from pocketllm import LLM, EngineArgs, SamplingParams
-from pocketllm.config import ModelConfig
+from pocketllm.models import read_config
 from pocketllm.models.loader import load_weights
 from pocketllm.models.registry import family_of
 from pocketllm.parallel.shard import local_config, shard_plan
@@ -68,7 +68,7 @@ def test_each_rank_reads_its_slices_of_the_checkpoint(checkpoint_dir, preset, si
     o_proj/down/out_proj columns, vocabulary rows), read slice by slice from the file; with fewer KV
     heads than ranks each rank has the KV head its query heads read."""
     path = checkpoint_dir("tiny" if preset == "tiny" else "qwen3.5")
-    cfg = ModelConfig.from_dir(path)
+    cfg = read_config(path)
     family = family_of(cfg)
     full = load_weights(path, family.expected_weights(cfg), torch.float32, "cpu", skip=family.skip_weight)
     local = local_config(cfg, size)
@@ -318,7 +318,7 @@ def test_a_script_without_a_main_guard_gets_an_error_that_names_it(checkpoint_di
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
     assert run.returncode == 1
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("pocketllm.parallel.workers.WorkerError: tensor-parallel worker 1 exited with code 1 "
+    assert last.startswith("pocketllm.workers.WorkerError: tensor-parallel worker 1 exited with code 1 "
                            "while loading") and "if __name__ == '__main__':" in last, run.stderr[-2000:]
 
 

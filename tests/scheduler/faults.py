@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import pocketllm.llm
+import pocketllm.op_table
 from pocketllm.kernels import Ops
 
 from .soak_loader import load
@@ -30,8 +30,8 @@ OutOfMemory = getattr(torch, "OutOfMemoryError", MemoryError)
 
 def install(monkeypatch: pytest.MonkeyPatch, edit: Callable[[Ops], Ops]) -> None:
     """Engines made from now on (in this test) run on edit(their op table)."""
-    real = pocketllm.llm.get_ops
-    monkeypatch.setattr(pocketllm.llm, "get_ops", lambda *args, **kwargs: edit(real(*args, **kwargs)))
+    real = pocketllm.op_table.get_ops
+    monkeypatch.setattr(pocketllm.op_table, "get_ops", lambda *args, **kwargs: edit(real(*args, **kwargs)))
 
 
 class InjectedFault(RuntimeError):

@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..cache import LayerCacheSpec, SlotCache, StateSnapshot, SwappedSlot
-from ..models.batch import ForwardBatch
-from .group import TensorParallel, open_store
-from .tree import tree_enabled
+from .cache import LayerCacheSpec, SlotCache, StateSnapshot, SwappedSlot
+from .models.batch import ForwardBatch
+from .parallel.group import TensorParallel, open_store
+from .parallel.tree import tree_enabled
 
 if TYPE_CHECKING:
-    from ..config import EngineArgs
+    from .config import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +66,8 @@ class WorkerSpec:
 
 def _worker_main(spec: WorkerSpec, status: multiprocessing.connection.Connection) -> None:
     """A worker process: build, report, join the group, serve. Imports happen here, in the child."""
-    from ..config import ModelConfig
-    from ..llm import op_table
-    from ..models import build_model
+    from .models import build_model, read_config
+    from .op_table import op_table
 
     try:
         torch.set_num_threads(spec.threads)
@@ -78,7 +77,7 @@ def _worker_main(spec: WorkerSpec, status: multiprocessing.connection.Connection
             torch.cuda.set_device(device)
         tp = TensorParallel(spec.rank, spec.size, tree=tree_enabled(options.tree_reduction, spec.size))
         ops = op_table(args)
-        cfg = ModelConfig.from_dir(args.model)
+        cfg = read_config(args.model)
         model = build_model(args.model, cfg, ops, args.torch_dtype, device, args.max_seq_len, tp,
                             args.torch_weight_dtype)
         cache = SlotCache(args.max_batch_size, args.max_seq_len, model.cache_specs(), args.torch_dtype, device,

@@ -1,0 +1,27 @@
+"""The op table an engine runs: built in one place from its EngineArgs, so that every tensor-parallel
+rank (the engine's process and each worker) runs the same ops."""
+
+from __future__ import annotations
+
+from .config import EngineArgs
+from .kernels import IMPLEMENTATIONS, Ops, get_ops
+
+# The implementations that multiply bf16 weights under fp32 rows (`weight_dtype`): the C++ kernel's.
+FIXED_ORDER = ("fixed_order", "fixed_order_avx2")
+
+
+def op_table(args: EngineArgs) -> Ops:
+    """The op table `args` selects: the one place it is built, so every tensor-parallel rank runs
+    the same ops as rank 0. Weights narrower than the rows (`weight_dtype`) need the ops that
+    multiply them to be the C++ fixed-order kernel; ValueError naming the field otherwise."""
+    options = args.options.backend
+    ops = get_ops(args.backend, options.batch_invariant, options.decode_per_row, args.op_overrides,
+                  options.exact_positions)
+    if args.torch_weight_dtype != args.torch_dtype:
+        others = [op for op in ("linear", "prefill_linear", "moe")
+                  if getattr(ops, op) not in (IMPLEMENTATIONS[op].get(name) for name in FIXED_ORDER)]
+        if others or args.device != "cpu":
+            raise ValueError(f"weight_dtype={args.weight_dtype!r} with dtype={args.dtype!r} needs the torch backend's "
+                             f"C++ fixed-order kernels on the CPU (exact positions on, a C++ compiler here); this "
+                             f"engine runs {', '.join(others) or 'on a CUDA device'} on other implementations")
+    return ops
