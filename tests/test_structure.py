@@ -1,5 +1,6 @@
 """The package's imports against the layers docs/architecture.md writes down: every import runs to
-the importer's floor or below, and no modules import each other in a circle.
+the importer's floor or below, and no modules import each other in a circle. Also the sizes a
+newcomer can read: no module over 400 lines, no function over 60 outside the kernels.
 
 Read with `ast`, nothing imported: every `import` and `from ... import` of every module, those
 inside functions too (a lazy import is still an arrow). An import under `if TYPE_CHECKING:`
@@ -164,3 +165,23 @@ def test_an_import_up_and_a_circle_are_caught(tmp_path):
 def test_the_ground_floors_import_nothing_above_them(module):
     floors = floor_of(MODULES, _layers((REPO / "docs" / "architecture.md").read_text()))
     assert all(floors[t] <= floors[module] for t, _, _ in imports_of(module, MODULES[module], MODULES))
+
+
+MAX_FILE_LINES = 400  # a module a newcomer reads in one sitting
+MAX_FUNCTION_LINES = 60  # outside kernels/, whose launchers and kernels are allowed their length
+
+
+def test_no_module_over_400_lines_and_no_function_over_60_outside_the_kernels():
+    long_files, long_functions = [], []
+    for module, path in MODULES.items():
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_FILE_LINES:
+            long_files.append(f"{source(module, path)}: {len(text.splitlines())} lines")
+        if ".kernels" in module:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{source(module, path)}:{node.lineno} {node.name}: {length} lines")
+    assert long_files == [] and long_functions == [], "\n".join(long_files + long_functions)
