@@ -8,7 +8,8 @@ rests on; the report says whether each configuration's outputs equal TP=1-with-t
 On a CPU the ranks share its cores (each rank gets cores / size threads), so TP=2 is not expected
 to be faster here; on a machine with several GPUs pass `--device cuda`.
 
-    python bench/tensor_parallel.py [--preset small] [--requests 8] [--prompt 64] [--new 32] [--out bench/results]
+    python bench/tensor_parallel.py [--preset small] [--requests 8] [--prompt 64] [--new 32] [--sizes 1 2]
+                                    [--out bench/results]
 Writes tensor_parallel.json and tensor_parallel.md; prints each configuration as it finishes.
 """
 
@@ -75,13 +76,14 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2], help="the tensor-parallel sizes to run")
     args = parser.parse_args()
     path = str(cached_checkpoint(args.preset))
     cores = os.cpu_count() or 1
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 200, (args.prompt,), generator=generator).tolist() for _ in range(args.requests)]
     configs: dict[str, Any] = {}
-    for name, size, tree in CONFIGS:
+    for name, size, tree in (c for c in CONFIGS if c[1] in args.sizes):
         print(f"{name}: running", flush=True)
         row = run_config(path, size, tree, args.device, prompts, args.new, cores)
         configs[name] = row

@@ -19,6 +19,7 @@ from .config import EngineArgs
 from .kernels import Ops
 from .kernels.backends import get_backend
 from .kernels.gated_delta_prefill import needs_replay
+from .kernels.linear import NATIVE_SHARDS
 from .kernels.probe import GatedDeltaProbe, ProbeReport, probe_row_invariance
 from .models import build_model
 from .models.registry import layer_specs, read_config
@@ -61,6 +62,7 @@ class Capabilities:
     state_snapshot_bytes_per_slot: int  # most a slot's Gated DeltaNet state copies take (0: none kept)
     exact_positions: bool  # a position's bits are the same decoded, prefilled at any cut, or scored
     tensor_parallel_size: int = 1
+    tree_reduction: bool = False  # row-parallel products summed in the fixed tree: the bits of every TP size
 
 
 class LLM:
@@ -106,7 +108,7 @@ class LLM:
         self.capabilities = Capabilities(self.scheduler is not None, args.backend, args.max_batch_size,
                                          args.max_seq_len, batch_invariant, self.cache.nbytes,
                                          self._snapshot_bytes_per_slot(), exact_positions,
-                                         args.tensor_parallel_size)
+                                         args.tensor_parallel_size, self.tree_reduction)
 
     def _detokenizer(self) -> Callable[[list[int]], str] | None:
         """token ids -> text as results show it (special tokens skipped), or None without a tokenizer."""
@@ -120,7 +122,9 @@ class LLM:
         ops = self._op_table()
         replay = self._replay_buffers(ops)
         size = args.tensor_parallel_size
-        tp = TensorParallel(0, size, tree=tree_enabled(args.options.backend.tree_reduction, size))
+        native = args.torch_dtype == torch.float32 and {ops.linear, ops.prefill_linear} <= NATIVE_SHARDS.keys()
+        tp = TensorParallel(0, size, tree=tree_enabled(args.options.backend.tree_reduction, size, native))
+        self.tree_reduction = tp.tree
         if size > 1:
             check_parallel(self.model_config, size, tp.tree, self.device)
             self.workers = Workers(args, size, replay)  # starts loading beside this process

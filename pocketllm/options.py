@@ -73,9 +73,11 @@ class BackendOptions:
                                                 "over 8 fixed input-feature shards in one binary tree whose subtrees "
                                                 "are the tensor-parallel ranks' sums, so tensor_parallel_size 1, 2, 4 "
                                                 "and 8 give the same bits; False: one product per rank and a plain "
-                                                "all-reduce; None: on when tensor_parallel_size > 1 (at 1 it costs "
-                                                "up to a third at Qwen3-0.6B shapes on a CPU: set True to compare with "
-                                                "sharded runs)")
+                                                "all-reduce; None: on when tensor_parallel_size > 1, and at 1 where "
+                                                "the linear kernel sums its shards itself (the torch backend's C++ "
+                                                "fixed-order kernel, fp32 rows), which costs it nothing; elsewhere at "
+                                                "1 it costs one product per shard: set True to compare with sharded "
+                                                "runs")
     exact_positions: bool | None = _option(None, "a position's logits are bitwise the same decoded, prefilled in a "
                                                  "piece of any length, or scored (prompt_logprobs); None: the "
                                                  "backend's default (triton: on; torch: on where its C++ kernels "

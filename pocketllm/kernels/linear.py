@@ -15,13 +15,14 @@ the model's own weights when an engine starts, and the tests re-measure it.
 row's bits are a function of its values, W, b and K alone, by construction, with no BLAS involved.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from ._cases import ROWS, randn, rows
+from ._tree import tree_sum
 from ._triton import kernel_device_ok, launch_device_type, tl, triton
 from .cpu.extension import load_extension, unavailable_reason
 from .spec import Call, Cost, Layout, OpSpec, Step, size
@@ -157,6 +158,35 @@ def _fixed_order(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     wide_weight = weight if weight.dtype == torch.bfloat16 else weight.float()
     out = module.linear(x.float(), wide_weight, None if bias is None else bias.float(), variant)
     return out.to(x.dtype)
+
+
+def in_shards(linear: Callable[..., torch.Tensor], x: torch.Tensor, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """x @ W^T for W given as its K slices `shards` (a power of two of them, of equal width): each
+    slice's product by `linear`, summed in the fixed tree (`_tree.tree_sum`). The order of a
+    row-parallel product at every tensor-parallel size (`parallel/tree.py`). The C++ fixed-order
+    kernel sums its shards itself, in one call and in the same order (`NATIVE_SHARDS`); any other
+    implementation runs one call per shard."""
+    if len(shards) == 1:
+        return linear(x, shards[0])
+    native = NATIVE_SHARDS.get(linear)
+    if native is not None and x.dtype == torch.float32 and load_extension() is not None:
+        return native(x, shards)
+    width = shards[0].shape[1]
+    return tree_sum([linear(x[:, i * width:(i + 1) * width].contiguous(), shard) for i, shard in enumerate(shards)])
+
+
+def _native_shards(variant: str) -> Callable[[torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]:
+    def run(x: torch.Tensor, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+        module = load_extension()
+        assert module is not None  # in_shards checked
+        return module.linear_shards(x, list(shards), variant)
+    return run
+
+
+# The linear implementations whose kernel sums K shards itself (fp32 rows), bit for bit as
+# `in_shards` does with one call per shard.
+NATIVE_SHARDS: dict[Callable[..., torch.Tensor], Callable[[torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]] = {
+    linear_fixed_order: _native_shards(""), linear_fixed_order_avx2: _native_shards("avx2")}
 
 
 # -- Triton ------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import Ops
+from ..kernels.linear import in_shards
 from ..parallel.group import TensorParallel
 from ..parallel.tree import REDUCTION_SHARDS, tree_sum
 
@@ -40,12 +41,7 @@ class RowParallel:
         return tuple(self.shards)
 
     def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
-        if len(self.shards) == 1:
-            local = ops.linear(x, self.shards[0])
-        else:
-            width = self.shards[0].shape[1]
-            local = tree_sum([ops.linear(x[:, i * width:(i + 1) * width].contiguous(), shard)
-                              for i, shard in enumerate(self.shards)])
+        local = in_shards(ops.linear, x, self.shards)
         if self.tp.size > 1:
             local = tree_sum(self.tp.all_gather(local)) if self.tp.tree else self.tp.all_reduce(local)
         return local if self.bias is None else local + self.bias

@@ -13,21 +13,15 @@ kernels" idea; written from the algorithm.)
 
 from __future__ import annotations
 
-import torch
+from ..kernels._tree import tree_sum
+
+__all__ = ["REDUCTION_SHARDS", "SIZES", "tree_enabled", "tree_sum"]
 
 REDUCTION_SHARDS = 8  # so tensor-parallel sizes 1, 2, 4 and 8 agree bit for bit
 SIZES = tuple(n for n in range(1, REDUCTION_SHARDS + 1) if REDUCTION_SHARDS % n == 0 and n & (n - 1) == 0)
 
 
-def tree_enabled(option: bool | None, size: int) -> bool:
-    """The `tree_reduction` option at `size` ranks: None means on whenever the model is sharded."""
-    return size > 1 if option is None else option
-
-
-def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Sum a power-of-two number of tensors pairwise, level by level, in list order."""
-    if not parts or len(parts) & (len(parts) - 1):
-        raise ValueError(f"tree_sum needs a power-of-two number of parts, got {len(parts)}")
-    while len(parts) > 1:
-        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
-    return parts[0]
+def tree_enabled(option: bool | None, size: int, native: bool = False) -> bool:
+    """The `tree_reduction` option at `size` ranks: None means on whenever the model is sharded, and
+    in one process where the linear kernel sums its shards itself (`native`: it costs nothing)."""
+    return (size > 1 or native) if option is None else option

@@ -12,6 +12,8 @@
 - bf16 weights (widened to fp32 as they are loaded): the bits of the same weights widened beforehand,
   for any row count (direct and packed tiles), K with and without a tail, both variants; the avx2
   implementation registered beside the default gives the default's bits;
+- a row-parallel matrix in K shards (`linear_shards`, `in_shards`): bitwise each shard's product
+  summed in the fixed tree, for 2, 4 and 8 shards, both variants, fp32 and bf16 weights;
 - a negative control: the same bitwise check tells a K-split reduction from the kernel's;
 - without a compiler (or with a broken one) the loader warns once, naming why, and returns None,
   and the op raises instead of falling back.
@@ -30,8 +32,9 @@ import torch
 import torch.nn.functional as F
 from kernel_cases import threads as threads  # the fixture
 
+from pocketllm.kernels._tree import tree_sum
 from pocketllm.kernels.cpu.extension import load_extension
-from pocketllm.kernels.linear import linear_fixed_order, linear_fixed_order_avx2
+from pocketllm.kernels.linear import in_shards, linear_fixed_order, linear_fixed_order_avx2
 from pocketllm.kernels.registry import IMPLEMENTATIONS
 
 EXT = load_extension()
@@ -227,3 +230,38 @@ def test_the_avx2_implementation_is_registered_and_gives_the_default_bits():
         x, w, b = _data(m, 40, 100, seed=m)
         assert torch.equal(linear_fixed_order_avx2(x, w, b), linear_fixed_order(x, w, b))
         assert torch.equal(linear_fixed_order_avx2(x, w.bfloat16(), b), linear_fixed_order(x, w.bfloat16(), b))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shards", [2, 4, 8])
+def test_the_kernel_sums_its_shards_as_one_call_per_shard_and_the_tree_do(variant, weights, shards, threads):
+    """`linear_shards` (the row-parallel product's order in one call): bitwise each K slice's product
+    by `linear`, summed in the fixed tree, for the direct and the packed tiles and slices with a tail
+    (widths 17, 40, 64); and a row's bits are those of the row alone."""
+    for width in (17, 40, 64):
+        for m in (1, 5, 20):
+            x, w, _ = _data(m, 37, shards * width, seed=m * width + shards, bias=False)
+            parts = [w[:, i * width:(i + 1) * width].contiguous().to(getattr(torch, weights)) for i in range(shards)]
+            native = EXT.linear_shards(x, parts, variant)
+            one_call_each = tree_sum([EXT.linear(x[:, i * width:(i + 1) * width].contiguous(), part, None, variant)
+                                      for i, part in enumerate(parts)])
+            assert torch.equal(native, one_call_each), (width, m)
+            assert torch.equal(EXT.linear_shards(x[m - 1:], parts, variant), native[m - 1:]), (width, m)
+
+
+def test_in_shards_runs_the_kernel_natively_and_any_other_linear_one_call_per_shard():
+    x, w, _ = _data(6, 20, 64, seed=7, bias=False)
+    parts = list(w.split(16, dim=1))
+    calls = []
+
+    def counting(x, weight, bias=None):
+        calls.append(x.shape[1])
+        return linear_fixed_order(x, weight, bias)
+
+    want = tree_sum([linear_fixed_order(x[:, i * 16:(i + 1) * 16].contiguous(), p) for i, p in enumerate(parts)])
+    assert torch.equal(in_shards(linear_fixed_order, x, parts), want)
+    assert torch.equal(in_shards(counting, x, parts), want) and calls == [16] * 4
+    assert torch.equal(in_shards(linear_fixed_order, x, [w]), linear_fixed_order(x, w))
+    with pytest.raises(ValueError, match="power of two"):
+        EXT.linear_shards(x[:, :48], parts[:3])

@@ -27,7 +27,7 @@ from pocketllm.models import read_config
 from pocketllm.models.loader import load_weights
 from pocketllm.models.registry import family_of
 from pocketllm.parallel.shard import local_config, shard_plan
-from pocketllm.parallel.tree import REDUCTION_SHARDS, SIZES, tree_sum
+from pocketllm.parallel.tree import REDUCTION_SHARDS, SIZES, tree_enabled, tree_sum
 from pocketllm.testing import Engines, Job, Schedule, Workload, assert_batch_invariant, mismatches
 from pocketllm.testing.strategies import preemption_workloads, prefix_workloads
 
@@ -128,6 +128,39 @@ def test_tp2_greedy_equals_transformers(checkpoint_dir, variant):
             assert result.token_ids == expected
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("variant", ["tiny", "qwen3.5"])
+def test_with_default_options_tp1_and_tp2_give_the_same_bits(checkpoint_dir, variant):
+    """No option set: one process sums its row-parallel products in the fixed tree (the C++ kernel
+    sums the shards itself), so TP=1 serial and TP=2 batched give the same tokens and logprobs."""
+    path = checkpoint_dir(variant)
+    one = LLM(EngineArgs(model=path, max_seq_len=MAX_SEQ_LEN))
+    two = LLM(EngineArgs(model=path, max_seq_len=MAX_SEQ_LEN, tensor_parallel_size=2,
+                         backend_options={"enable_batching": True}))
+    try:
+        assert one.capabilities.tree_reduction and two.capabilities.tree_reduction
+        prompts = [[(5 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((1, 30, 100))]
+        params = [SamplingParams(max_tokens=8, temperature=t, seed=i, logprobs=2, ignore_eos=True)
+                  for i, t in enumerate((0.0, 0.9, 0.0))]
+        serial = [one.generate(p, sp) for p, sp in zip(prompts, params)]
+        batched = two.generate(prompts, params)
+        for a, b in zip(serial, batched):
+            assert (a.token_ids, a.logprobs, a.top_logprobs) == (b.token_ids, b.logprobs, b.top_logprobs)
+    finally:
+        one.close()
+        two.close()
+
+
+def test_the_tree_is_on_by_default_where_the_kernel_sums_shards_itself(checkpoint_dir):
+    """tree_reduction=None: on whenever sharded, and in one process where it costs one call per
+    matrix (the C++ fixed-order kernel, fp32 rows); an explicit value wins."""
+    assert [tree_enabled(None, 1, native) for native in (True, False)] == [True, False]
+    assert tree_enabled(None, 2) and not tree_enabled(False, 1, True) and tree_enabled(True, 1)
+    path = checkpoint_dir("tiny")
+    off = LLM(EngineArgs(model=path, max_seq_len=64, backend_options={"tree_reduction": False}))
+    mkl = LLM(EngineArgs(model=path, max_seq_len=64, backend_options={"exact_positions": False}))
+    assert not off.capabilities.tree_reduction and not mkl.capabilities.tree_reduction
 
 
 def test_sizes_that_do_not_fit_are_refused_before_any_worker_starts(checkpoint_dir):

@@ -23,9 +23,11 @@
 #include <cstring>
 #include <thread>
 #include <type_traits>
+#include <vector>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
 // A bf16 weight element: the upper 16 bits of the fp32 with the same value.
@@ -189,6 +191,8 @@ struct Kernels {
                   int64_t, int64_t);
   void (*panel_columns)(const float*, int64_t, int64_t, const WT*, int64_t, const float*, float*, int64_t, int64_t,
                         int64_t, float*, float*);
+  void (*shard_columns)(const float*, int64_t, int64_t, const WT* const*, int64_t, int64_t, float*, int64_t, int64_t,
+                        int64_t, float*);
 };
 struct Variant {
   Kernels<float> fp32;
@@ -202,12 +206,13 @@ struct Variant {
     else return fp32;
   }
 };
-static constexpr Variant AVX512{{avx512::columns<float>, avx512::panel_columns<float>},
-                                {avx512::columns<BF16>, avx512::panel_columns<BF16>},
+static constexpr Variant AVX512{{avx512::columns<float>, avx512::panel_columns<float>, avx512::shard_columns<float>},
+                                {avx512::columns<BF16>, avx512::panel_columns<BF16>, avx512::shard_columns<BF16>},
                                 avx512::pack_rows, avx512::PANEL_ROWS};
-static constexpr Variant AVX2{{avx2::columns<float>, avx2::panel_columns<float>},
-                              {avx2::columns<BF16>, avx2::panel_columns<BF16>},
+static constexpr Variant AVX2{{avx2::columns<float>, avx2::panel_columns<float>, avx2::shard_columns<float>},
+                              {avx2::columns<BF16>, avx2::panel_columns<BF16>, avx2::shard_columns<BF16>},
                               avx2::pack_rows, avx2::PANEL_ROWS};
+static constexpr int SHARD_TILE_OUTPUTS = std::max(avx512::TILE_OUTPUTS, avx2::TILE_OUTPUTS);
 static_assert(avx512::PANEL_COLS == avx2::PANEL_COLS && avx512::PANEL_ROWS >= avx2::PANEL_ROWS,
               "one accumulator buffer fits both");
 
@@ -261,53 +266,84 @@ static int64_t panel_block_columns(int64_t K) {
   return std::max<int64_t>(48, std::min<int64_t>(avx512::PANEL_COLS, 96 * 1024 / std::max<int64_t>(K, 1) / 48 * 48));
 }
 
-// y = x @ W^T (+ b) into y, W's elements of type WT; x contiguous fp32 [M, K], W contiguous [N, K].
+// The products of x_s @ W_s^T (+ b) for S shards, in one parallel region: x_s is x's K columns from
+// s K on (rows ldx apart), W_s = ws[s] a contiguous [N, K] of elements WT. S = 1 is one product into
+// y [M, N]. S > 1 (`linear_shards`, no bias): below PANEL_MIN_ROWS rows y is their shard tree
+// (shard_columns); from it the S products go to yp + s M N, for the caller to sum. Threads take blocks
+// of columns (of a shard, for many rows): who computes an output, and when, never how.
 template <typename WT>
-static void run(const Variant& variant, const float* xp, int64_t M, int64_t K, const WT* wp, int64_t N,
-                const float* bp, float* yp) {
+static void run(const Variant& variant, const float* xp, int64_t ldx, int64_t M, int64_t K, const WT* const* ws,
+                int64_t S, int64_t N, const float* bp, float* yp) {
   const Kernels<WT>& v = variant.of<WT>();
   const int64_t threads = at::get_num_threads();
   if (M < PANEL_MIN_ROWS) {
-    const int64_t block = block_columns(K), blocks = (N + block - 1) / block;
+    const int64_t block = block_columns(S * K), blocks = (N + block - 1) / block;
     std::atomic<int64_t> next{0};
     at::parallel_for(0, std::min(blocks, threads), 1, [&](int64_t, int64_t) {
+      std::vector<float> lanes(S == 1 ? 0 : (S * SHARD_TILE_OUTPUTS + 16) * 16, 0.0f);
       take_items(next, blocks, [&](int64_t i) {
-        v.columns(xp, M, K, wp, K, K, bp, yp, N, i * block, std::min(N, (i + 1) * block));
+        const int64_t n0 = i * block, n1 = std::min(N, (i + 1) * block);
+        if (S == 1) v.columns(xp, M, ldx, ws[0], K, K, bp, yp, N, n0, n1);
+        else v.shard_columns(xp, M, ldx, ws, S, K, yp, N, n0, n1, lanes.data());
       });
     });
     return;
   }
   const int64_t group = variant.panel_rows, groups = (M + group - 1) / group, steps = (K + 15) / 16;
   const int64_t block = panel_block_columns(K), blocks = (N + block - 1) / block;
-  const int64_t acc = avx512::PANEL_ROWS * avx512::PANEL_COLS * 16;
-  at::Tensor packed = at::empty({groups * group * steps * 16}, at::kFloat);
+  const int64_t acc = avx512::PANEL_ROWS * avx512::PANEL_COLS * 16, shard_packed = groups * group * steps * 16;
+  at::Tensor packed = at::empty({S * shard_packed}, at::kFloat);
   float* pp = packed.data_ptr<float>();
   std::atomic<int64_t> next_group{0}, packed_groups{0}, next_block{0};
   // One parallel region (every region waits for all its threads to start): the threads pack x's
   // groups, wait until all are packed, then compute blocks of columns.
-  at::parallel_for(0, std::min(blocks, threads), 1, [&](int64_t, int64_t) {
-    take_items(next_group, groups, [&](int64_t g) {
-      variant.pack_rows(xp, K, K, g * group, int(std::min(group, M - g * group)), pp + g * group * steps * 16);
+  at::parallel_for(0, std::min(S * blocks, threads), 1, [&](int64_t, int64_t) {
+    take_items(next_group, S * groups, [&](int64_t item) {
+      const int64_t s = item / groups, g = item % groups;
+      variant.pack_rows(xp + s * K, ldx, K, g * group, int(std::min(group, M - g * group)),
+                        pp + s * shard_packed + g * group * steps * 16);
       ++packed_groups;
     });
-    while (packed_groups.load() < groups) std::this_thread::yield();
+    while (packed_groups.load() < S * groups) std::this_thread::yield();
     const at::Tensor scratch = at::empty({acc + block * steps * 16}, at::kFloat);
     float* sp = scratch.data_ptr<float>();
     std::fill(sp, sp + acc, 0.0f);  // Lanes::sums reads the lanes past a narrow block's last column too
-    take_items(next_block, blocks, [&](int64_t i) {
-      v.panel_columns(pp, M, K, wp, K, bp, yp, N, i * block, std::min(N, (i + 1) * block), sp, sp + acc);
+    take_items(next_block, S * blocks, [&](int64_t item) {
+      const int64_t s = item / blocks, i = item % blocks;
+      v.panel_columns(pp + s * shard_packed, M, K, ws[s], K, bp, yp + s * M * N, N, i * block,
+                      std::min(N, (i + 1) * block), sp, sp + acc);
     });
   });
 }
 
-at::Tensor linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias,
-                  const std::string& variant) {
+// The checks every entry takes: fp32 x [M, K], fp32 or bf16 W [N, K], on the CPU.
+static void check_operands(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK_VALUE(x.dtype() == at::kFloat && (weight.dtype() == at::kFloat || weight.dtype() == at::kBFloat16),
                     "fixed_order linear takes fp32 x and an fp32 or bf16 weight, got ", x.dtype(), " and ",
                     weight.dtype());
   TORCH_CHECK_VALUE(x.device().is_cpu() && weight.device().is_cpu(), "fixed_order linear runs on the CPU");
   TORCH_CHECK_VALUE(x.dim() == 2 && weight.dim() == 2, "x must be [M, K] and weight [N, K]");
   TORCH_CHECK_VALUE(x.size(1) == weight.size(1), "x has K=", x.size(1), " but weight has K=", weight.size(1));
+}
+
+// `run` over contiguous weights of fp32 or bf16 elements, one per shard.
+static void run_any(const Variant& v, const float* xp, int64_t ldx, int64_t M, int64_t K,
+                    const std::vector<at::Tensor>& weights, const float* bp, float* yp) {
+  const int64_t S = int64_t(weights.size()), N = weights[0].size(0);
+  if (weights[0].dtype() == at::kBFloat16) {
+    std::vector<const BF16*> ws;
+    for (const auto& w : weights) ws.push_back(reinterpret_cast<const BF16*>(w.data_ptr<at::BFloat16>()));
+    run(v, xp, ldx, M, K, ws.data(), S, N, bp, yp);
+  } else {
+    std::vector<const float*> ws;
+    for (const auto& w : weights) ws.push_back(w.data_ptr<float>());
+    run(v, xp, ldx, M, K, ws.data(), S, N, bp, yp);
+  }
+}
+
+at::Tensor linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias,
+                  const std::string& variant) {
+  check_operands(x, weight);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const Variant& v = variant_of(variant, M);
   x = x.contiguous();
@@ -320,13 +356,44 @@ at::Tensor linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bia
   }
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
-  if (weight.dtype() == at::kBFloat16)
-    run(v, x.data_ptr<float>(), M, K, reinterpret_cast<const BF16*>(weight.data_ptr<at::BFloat16>()), N, bp,
-        y.data_ptr<float>());
-  else
-    run(v, x.data_ptr<float>(), M, K, weight.data_ptr<float>(), N, bp, y.data_ptr<float>());
+  run_any(v, x.data_ptr<float>(), K, M, K, {weight}, bias.has_value() ? b.data_ptr<float>() : nullptr,
+          y.data_ptr<float>());
   return y;
+}
+
+// x @ W^T for W given as S shards of equal width (W's K slices, in order: shard s holds features
+// [s K/S, (s+1) K/S)): each shard's product in the one order of `linear` on its slice of x, the S
+// products summed in a binary tree, (0+1), (2+3), ..., then pairs of those. The order in which a
+// tensor-parallel rank sums its shards and the ranks sum theirs (parallel/tree.py), in one call: no
+// copies of x's slices, no call of Python per shard.
+at::Tensor linear_shards(at::Tensor x, std::vector<at::Tensor> shards, const std::string& variant) {
+  const int64_t S = int64_t(shards.size());
+  TORCH_CHECK_VALUE(S >= 1 && (S & (S - 1)) == 0, "the number of shards must be a power of two, got ", S);
+  const int64_t M = x.size(0), width = shards[0].size(1), N = shards[0].size(0);
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == S * width, "x must be [M, K] with K = ", S, " shards x ", width);
+  for (auto& shard : shards) {
+    check_operands(x.narrow(1, 0, width), shard);
+    TORCH_CHECK_VALUE(shard.size(0) == N && shard.dtype() == shards[0].dtype(), "the shards differ in shape or dtype");
+    shard = shard.contiguous();
+  }
+  TORCH_CHECK_VALUE(S <= 64, "at most 64 shards, got ", S);
+  const Variant& v = variant_of(variant, M);
+  x = x.contiguous();
+  at::Tensor parts = at::empty({M < PANEL_MIN_ROWS ? 1 : S, M, N}, x.options());
+  if (M == 0 || N == 0) return parts[0];
+  const int64_t size = M * N;
+  float* pp = parts.data_ptr<float>();
+  run_any(v, x.data_ptr<float>(), S * width, M, width, shards, nullptr, pp);
+  if (M < PANEL_MIN_ROWS) return parts[0];  // summed by shard_columns
+  for (int64_t step = 1; step < S; step *= 2)  // part s += part s + step, for s a multiple of 2 step
+    at::parallel_for(0, size, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t s = 0; s < S; s += 2 * step) {
+        float* a = pp + s * size;
+        const float* b = pp + (s + step) * size;
+        for (int64_t i = begin; i < end; ++i) a[i] = a[i] + b[i];
+      }
+    });
+  return parts[0];
 }
 
 void register_gated_delta(pybind11::module& m);  // gated_delta.cpp
@@ -339,5 +406,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_rows(m);
   m.def("linear", &linear, "y = x @ W^T (+ b) in the fixed reduction order", pybind11::arg("x"),
         pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("variant") = "");
+  m.def("linear_shards", &linear_shards, "x @ W^T for W in K shards, their products summed in the fixed tree",
+        pybind11::arg("x"), pybind11::arg("shards"), pybind11::arg("variant") = "");
   m.def("best_variant", &best_variant, "the instruction set the kernel runs by default");
 }

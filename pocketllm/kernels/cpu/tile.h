@@ -11,7 +11,8 @@
 // hardware prefetcher alone left the lm_head at ~21 GB/s of ~29 (Intel Xeon, 2 threads).
 static constexpr int64_t PREFETCH_AHEAD = 512;
 
-template <int R, int C, typename WT>
+// LANES: store each output's 16 lanes at y + (r * C + c) * 16 instead of its sum (`shard_columns`).
+template <int R, int C, typename WT, bool LANES = false>
 static void tile(const float* x, int64_t ldx, const WT* w, int64_t ldw, int64_t K,
                  const float* bias, float* y, int64_t ldy) {
   typename Lanes::V acc[R][C];
@@ -40,23 +41,27 @@ static void tile(const float* x, int64_t ldx, const WT* w, int64_t ldw, int64_t 
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
-      float s = Lanes::sum(acc[r][c]);
-      if (bias != nullptr) s = s + bias[c];
-      y[r * ldy + c] = s;
+      if constexpr (LANES) {
+        Lanes::store(y + (r * C + c) * 16, acc[r][c]);
+      } else {
+        float s = Lanes::sum(acc[r][c]);
+        if (bias != nullptr) s = s + bias[c];
+        y[r * ldy + c] = s;
+      }
     }
 }
 
 // The tile of `rows` x `cols` (at most Lanes::ROWS x Lanes::cols(rows)), found by a search over the
 // instantiations: a few comparisons per tile, against a K loop of K / 16 steps.
-template <int R, int C, typename WT>
+template <int R, int C, typename WT, bool LANES = false>
 static void any_tile(int rows, int cols, const float* x, int64_t ldx, const WT* w, int64_t ldw, int64_t K,
                      const float* bias, float* y, int64_t ldy) {
   if (rows == R && cols == C) {
-    tile<R, C>(x, ldx, w, ldw, K, bias, y, ldy);
+    tile<R, C, WT, LANES>(x, ldx, w, ldw, K, bias, y, ldy);
   } else if constexpr (C > 1) {
-    any_tile<R, C - 1>(rows, cols, x, ldx, w, ldw, K, bias, y, ldy);
+    any_tile<R, C - 1, WT, LANES>(rows, cols, x, ldx, w, ldw, K, bias, y, ldy);
   } else if constexpr (R > 1) {
-    any_tile<R - 1, Lanes::cols(R - 1)>(rows, cols, x, ldx, w, ldw, K, bias, y, ldy);
+    any_tile<R - 1, Lanes::cols(R - 1), WT, LANES>(rows, cols, x, ldx, w, ldw, K, bias, y, ldy);
   }
 }
 
@@ -73,6 +78,41 @@ static void columns(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t
       const int cols = int(n1 - n < width ? n1 - n : width);
       any_tile<Lanes::ROWS, Lanes::cols(Lanes::ROWS)>(rows, cols, x + m * ldx, ldx, w + n * ldw, ldw, K,
                                          bias ? bias + n : nullptr, y + m * ldy + n, ldy);
+    }
+  }
+}
+
+// Largest tile of the direct path, in outputs: the scratch of `shard_columns` is S times this many lane vectors.
+static constexpr int tile_outputs() {
+  int most = 0;
+  for (int r = 1; r <= Lanes::ROWS; ++r) most = r * Lanes::cols(r) > most ? r * Lanes::cols(r) : most;
+  return most;
+}
+static constexpr int TILE_OUTPUTS = tile_outputs();
+
+// `columns` for W in S shards of K columns each (shard s: ws[s], [N, K] contiguous; x's columns from
+// s K on): each output the shard tree, (0+1), (2+3), ..., of its shards' products, each in the order
+// of `tile`. A tile's lanes for every shard go to `lanes` (S * TILE_OUTPUTS * 16 floats, the 16 past
+// the last zeroed by the caller) and their lane trees are Lanes::sums, 16 outputs at a time: the same
+// tree as Lanes::sum, a few instructions an output instead of one horizontal sum each.
+template <typename WT>
+static void shard_columns(const float* x, int64_t M, int64_t ldx, const WT* const* ws, int64_t S, int64_t K, float* y,
+                          int64_t ldy, int64_t n0, int64_t n1, float* lanes) {
+  float sums[64 * TILE_OUTPUTS];  // S <= 64
+  for (int64_t m = 0; m < M; m += Lanes::ROWS) {
+    const int rows = int(M - m < Lanes::ROWS ? M - m : Lanes::ROWS);
+    const int width = Lanes::cols(rows);
+    for (int64_t n = n0; n < n1; n += width) {
+      const int cols = int(n1 - n < width ? n1 - n : width), outputs = rows * cols;
+      for (int64_t s = 0; s < S; ++s)
+        any_tile<Lanes::ROWS, Lanes::cols(Lanes::ROWS), WT, true>(rows, cols, x + m * ldx + s * K, ldx, ws[s] + n * K,
+                                                                 K, K, nullptr, lanes + s * outputs * 16, 0);
+      Lanes::sums(lanes, S * outputs, nullptr, sums);
+      for (int64_t step = 1; step < S; step *= 2)
+        for (int64_t s = 0; s < S; s += 2 * step)
+          for (int o = 0; o < outputs; ++o) sums[s * outputs + o] = sums[s * outputs + o] + sums[(s + step) * outputs + o];
+      for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < cols; ++c) y[(m + r) * ldy + n + c] = sums[r * cols + c];
     }
   }
 }
