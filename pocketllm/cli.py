@@ -63,7 +63,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     common: dict[str, Any] = dict(model=str(path), max_seq_len=256)
     size = args.tensor_parallel_size
     # Sharded, the batched engine is also checked against a single process: on the fixed-order kernels,
-    # whose columns do not depend on how many columns a rank's product holds.
+    # whose columns do not depend on how many columns a rank's product holds (the default where they build).
     options: dict[str, Any] = {"exact_positions": True, "tree_reduction": True} if size > 1 else {}
     if size > 1:
         print(f"batched engine: tensor_parallel_size={size}; serial engine: one process")
