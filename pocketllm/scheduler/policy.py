@@ -21,7 +21,8 @@ class PrefillPolicy:
     """`chunk_size`: a prompt is cut at multiples of it (0: not cut). `snapshot_interval`: cuts
     too, and the positions prefixes are reused from; hybrid models keep their recurrent states
     there (0: reuse at chunk boundaries; a hybrid model then reuses nothing). With both 0 nothing
-    is reused: a warm prompt could not run the pieces of its cold run. `max_num_batched_tokens`:
+    is reused (a warm prompt could not run the pieces of its cold run), unless exact positions make
+    every cut exact (`reusable(..., any_position=True)`). `max_num_batched_tokens`:
     tokens one step runs, decode rows included."""
 
     # Defaults: the engine's options (their meaning and range are documented there).
@@ -67,13 +68,15 @@ class PrefillPolicy:
         chunk size (0: no reuse)."""
         return self.snapshot_interval or self.chunk_size
 
-    def reusable(self, shared: int, prompt_len: int) -> int:
+    def reusable(self, shared: int, prompt_len: int, any_position: bool = False) -> int:
         """How much of a prompt may come from a slot that holds its first `shared` tokens: rounded
-        down to the reuse grid, and at least one token left to prefill (it yields the first logits)."""
-        grid = self.reuse_grid
-        if not self.prefix_reuse or not grid:
+        down to the reuse grid (any length with `any_position`: where exact positions make every
+        cut exact and no recurrent state has to be kept for it), and at least one token left to
+        prefill (it yields the first logits)."""
+        if not self.prefix_reuse or not (self.reuse_grid or any_position):
             return 0
-        return min(shared, prompt_len - 1) // grid * grid
+        most = min(shared, prompt_len - 1)
+        return most if any_position else most // self.reuse_grid * self.reuse_grid
 
 
 def check_policy(policy: PrefillPolicy, max_batch_size: int, max_seq_len: int, keeps_states: bool,

@@ -10,10 +10,13 @@ it still holds (`held_tokens`).
 
 Prefix reuse: a new request takes the slot whose contents share the longest reusable prefix
 with its prompt (free slots first at equal length, then the least recently used); when the best
-donor is busy, the prefix is copied into a free slot instead. The reused length is rounded down
-to the policy's reuse grid, and only prefilled positions are reused (see `PrefixIndex`), so the
-rest of the prompt runs the pieces, and gets the bits, of a cold run; with exact positions
-(`reuse_decoded`) the positions decode steps wrote are reused too, since they hold a prefill's bits.
+donor is busy, the prefix is copied into a free slot instead. With exact positions
+(`reuse_decoded`) every cut is exact and the positions decode steps wrote hold a prefill's bits, so
+they are reused too; a model without recurrent states then reuses a prefix of any length
+(`reuse_any`: the index finds slots by 16-token blocks, the match is extended to the token), a
+hybrid one up to a position where its states were kept (the snapshot grid). Without exact positions
+the reused length is rounded down to the policy's reuse grid and only prefilled positions are reused,
+so the rest of the prompt runs the pieces, and gets the bits, of a cold run.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 from ..cache import SlotCache, SlotCacheError, StateSnapshot
 from ..runner import SequenceInput
 from .policy import PrefillPolicy
-from .prefix_index import PrefixIndex
+from .prefix_index import INDEX_BLOCK, PrefixIndex
 from .request import Request
 
 
@@ -49,11 +52,14 @@ class SlotManager:
         self.cache = cache
         self.policy = policy
         # Whether decoded positions are reusable: only where they have the bits a prefill would give
-        # them (exact positions, which a model with recurrent states does not have).
+        # them (exact positions).
         self.reuse_decoded = reuse_decoded
+        # Whether a prefix is reusable to any length: with exact positions every cut is exact, and
+        # without recurrent states nothing has to be kept where a prefix ends.
+        self.reuse_any = reuse_decoded and not cache.has_states
         self._free = list(range(cache.num_slots))  # least recently used first
         self._held: list[list[int]] = [[] for _ in range(cache.num_slots)]  # per freed slot: its tokens
-        self.index = PrefixIndex(cache.num_slots, policy.reuse_grid or 1)  # grid 0: nothing is reused
+        self.index = PrefixIndex(cache.num_slots, self._index_grid(policy))
         # Slots whose contents were swapped in: they hold no state copies, so they are not donors
         # until another request takes them.
         self._unindexed: set[int] = set()
@@ -77,11 +83,18 @@ class SlotManager:
         """Run on `policy` from now on; what the slots hold stays reusable only when the reuse grid
         and the snapshot interval are unchanged."""
         old, self.policy = self.policy, policy
+        if self.reuse_any:
+            return  # every position of every slot stays reusable, whatever the cuts
         if (policy.reuse_grid, policy.snapshot_interval) != (old.reuse_grid, old.snapshot_interval):
-            self.index = PrefixIndex(self.cache.num_slots, policy.reuse_grid or 1)
+            self.index = PrefixIndex(self.cache.num_slots, self._index_grid(policy))
             self._unindexed.clear()
             for slot in range(self.cache.num_slots):
                 self.cache.forget(slot)
+
+    def _index_grid(self, policy: PrefillPolicy) -> int:
+        """The index's blocks: INDEX_BLOCK tokens with reuse at any position (a found slot's match is
+        then extended to the token), else the policy's reuse grid (0: nothing is reused)."""
+        return INDEX_BLOCK if self.reuse_any else policy.reuse_grid or 1
 
     # -- taking and releasing slots ----------------------------------------------------------
 
@@ -111,12 +124,15 @@ class SlotManager:
         """The best free slot for `prompt`, and the prefix it can reuse (none without `reuse`). A
         free slot must exist."""
         free = self.free_slots  # least recently used first
-        limit = self.policy.reusable(len(prompt), len(prompt)) if reuse else 0
+        limit = self.policy.reusable(len(prompt), len(prompt), self.reuse_any) if reuse else 0
         matches = self.index.match(prompt, limit) if limit else {}
+        if self.reuse_any:  # whole blocks found; each match extended to the token
+            matches = {slot: self.index.common_prefix(slot, prompt, limit) for slot in matches}
         # Longest prefix; at equal length a free slot (no copy), then the least recently used.
         rank = {slot: i for i, slot in enumerate(free)}
         best = max(matches, key=lambda s: (matches[s], s in rank, -rank.get(s, 0)), default=None)
-        reused = 0 if best is None else self.index.verified(best, prompt, matches[best])
+        reused = 0 if best is None else matches[best] if self.reuse_any else \
+            self.index.verified(best, prompt, matches[best])
         if not reused:
             return Placement(free[0], 0, None)
         return Placement(best if best in rank else free[0], reused, best)

@@ -232,8 +232,9 @@ def test_swapped_requests_still_score_as_they_generated(wide_checkpoint):
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
 def test_the_next_turn_reuses_the_previous_answer(tiny_checkpoint, backend):
     """Turn 2 extends turn 1's prompt and answer (torch: 100 + 40 tokens): with exact positions it
-    reuses the grid below both (128, decoded positions among them) and gets the bits of a cold run;
-    without, only the grid below the prompt's end (64)."""
+    reuses every position turn 1's slot holds (139, the decoded ones among them; an attention-only
+    model reuses to the token) and gets the bits of a cold run; without, only the grid below the
+    prompt's end (64)."""
     path, prompt_len, answer = tiny_checkpoint, *((100, 40) if backend == "torch" else (70, 2))
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
     prompt = [(5 * i + 1) % 200 for i in range(prompt_len)]
@@ -247,8 +248,7 @@ def test_the_next_turn_reuses_the_previous_answer(tiny_checkpoint, backend):
         reused[exact] = llm.scheduler.get_stats().prefix_tokens_reused
         cold = _engine(path, backend, exact=exact).generate(second_prompt, greedy(3))
         assert (second.token_ids, second.logprobs) == (cold.token_ids, cold.logprobs)
-    grid = lambda n: n // 64 * 64  # noqa: E731
-    assert reused == {True: grid(prompt_len + answer - 1), False: grid(prompt_len)}
+    assert reused == {True: prompt_len + answer - 1, False: prompt_len // 64 * 64}
 
 
 def test_prompts_are_cut_where_the_budget_runs_out_and_keep_their_bits(tiny_checkpoint, monkeypatch):

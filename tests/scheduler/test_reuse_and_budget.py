@@ -50,17 +50,51 @@ def test_a_conversation_reuses_only_what_was_prefilled(checkpoint_dir, variant):
 @pytest.mark.parametrize("shared_len,reused,starts", [(100, 0, [0, 64, 128]), (150, 128, [128])])
 def test_reuse_is_on_the_snapshot_grid_for_an_attention_only_model(tiny_checkpoint, monkeypatch,
                                                                    shared_len, reused, starts):
-    """The reuse grid is the snapshot interval (128) when it is set, not the chunk size (64): a
-    prompt sharing 100 tokens with a slot reuses nothing, one sharing 150 reuses 128, and the rest
-    runs the pieces of a cold run. An attention-only model would not fail on a wrong grid; its
-    cuts would move."""
-    llm = _engine(tiny_checkpoint, state_snapshot_interval=2 * GRID)
+    """Without exact positions the reuse grid is the snapshot interval (128) when it is set, not the
+    chunk size (64): a prompt sharing 100 tokens with a slot reuses nothing, one sharing 150 reuses
+    128, and the rest runs the pieces of a cold run. An attention-only model would not fail on a
+    wrong grid; its cuts would move."""
+    llm = _engine(tiny_checkpoint, state_snapshot_interval=2 * GRID, exact_positions=False)
     shared = [(3 * i + 2) % 200 for i in range(shared_len)]
     llm.generate(shared + [1] * 20, _greedy(2))
     recorder = RunRecorder(llm, monkeypatch)
     llm.generate(shared + [2] * (150 - shared_len) + [3] * 20, _greedy(2))
     assert [start for part in recorder.prefills() for _, start, _ in part] == starts
     assert llm.scheduler.get_stats().prefix_tokens_reused == reused
+
+
+def test_with_default_options_a_chats_next_turn_reuses_the_last_one_to_the_token(tiny_checkpoint):
+    """Default options (exact positions where the C++ kernels build): turn 2 extends turn 1's
+    100-token prompt and 20-token answer; it reuses every position turn 1's slot holds (119: the
+    answer's last token was never fed), off every grid, decoded positions included, and equals its
+    cold run. A third prompt that leaves turn 1's after 50 tokens reuses exactly 50."""
+    llm = LLM(EngineArgs(model=str(tiny_checkpoint), max_seq_len=512,
+                         backend_options={"enable_batching": True, "background_thread": False}))
+    assert llm.capabilities.exact_positions
+    prompt = [(5 * i + 1) % 200 for i in range(100)]
+    first = llm.generate(prompt, _greedy(20))
+    follow = prompt + first.token_ids + [7] * 9
+    second = llm.generate(follow, SamplingParams(max_tokens=6, temperature=0.8, seed=3, logprobs=2))
+    assert llm.scheduler.get_stats().prefix_tokens_reused == 119
+    cold = LLM(EngineArgs(model=str(tiny_checkpoint), max_seq_len=512)).generate(
+        follow, SamplingParams(max_tokens=6, temperature=0.8, seed=3, logprobs=2))
+    assert (second.token_ids, second.logprobs, second.top_logprobs) == \
+        (cold.token_ids, cold.logprobs, cold.top_logprobs)
+    llm.generate(prompt[:50] + [9] * 30, _greedy(2))
+    assert llm.scheduler.get_stats().prefix_tokens_reused == 119 + 50
+    llm.close()
+
+
+def test_a_match_is_extended_past_whole_blocks_to_the_token():
+    index = PrefixIndex(num_slots=2, grid=16)
+    held = list(range(40))
+    index.extend(0, held, 40)
+    assert index.match(held[:37] + [99], 37) == {0: 32}  # whole blocks only
+    assert index.common_prefix(0, held[:37] + [99], 37) == 37
+    assert index.common_prefix(0, held[:20] + [99] * 20, 39) == 20
+    assert index.common_prefix(0, held, 30) == 30  # the limit holds
+    index.truncate(0, 18)
+    assert index.common_prefix(0, held, 39) == 18
 
 
 def test_chained_keys_tell_identical_blocks_at_different_depths_apart():
