@@ -50,6 +50,9 @@ class Engines:
         self.batched: dict[int, LLM] = {}
         self._cut_serial: dict[tuple[int, int], LLM] = {}
         self.serial_cache: dict[tuple, GenerationResult] = {}
+        # Every workload the batched engines ran, in order: what their slots hold (retained prefixes)
+        # depends on it, so a counterexample that needs it replays from here (`replay`).
+        self.history: list[Workload] = []
 
     def __repr__(self) -> str:
         args = [repr(self.path), f"max_seq_len={self.max_seq_len}"]
@@ -170,6 +173,7 @@ def run_batched(engines: Engines, workload: Workload) -> dict[int, GenerationRes
     configured first. What slots hold from earlier workloads stays reusable while the reuse grid is
     unchanged: retained donors too."""
     check_run("run_batched", engines, workload)
+    engines.history.append(workload)
     scheduler = engines.scheduler(workload.max_batch_size)
     policy = as_policy(workload.schedule, workload.max_batch_size, engines.max_seq_len)
     if policy is not None:
@@ -241,3 +245,13 @@ def _at(result: GenerationResult, position: int) -> tuple[int, float] | None:
     if position >= len(result.token_ids):
         return None
     return result.token_ids[position], result.logprobs[position]
+
+
+def replay(engines: Engines, history: list[Workload]) -> list[Mismatch]:
+    """Run `history` in order on `engines` (fresh ones, to reproduce what a property's engines went
+    through), and return the mismatches of every workload: a counterexample that shows only after
+    earlier workloads (a retained prefix, the slots' order) then shows without Hypothesis."""
+    check.instance("replay", "engines", engines, Engines, "an Engines")
+    check.items("replay", "history", history, "a list of Workloads", min_len=0)
+    check.each("replay", "history", history, Workload, "a Workload")
+    return [m for workload in history for m in find_mismatches(engines, workload)]

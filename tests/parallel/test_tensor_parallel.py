@@ -28,7 +28,7 @@ from pocketllm.models.loader import load_weights
 from pocketllm.models.registry import family_of
 from pocketllm.parallel.shard import local_config, shard_plan
 from pocketllm.parallel.tree import REDUCTION_SHARDS, SIZES, tree_enabled, tree_sum
-from pocketllm.testing import Engines, Job, Schedule, Workload, assert_batch_invariant, mismatches
+from pocketllm.testing import ContractViolation, Engines, Job, Schedule, Workload, assert_batch_invariant, mismatches
 from pocketllm.testing.strategies import preemption_workloads, prefix_workloads
 
 VOCAB = 256
@@ -194,7 +194,30 @@ def engines(request, checkpoint_dir):
 def test_tp2_batched_equals_tp1_serial_bitwise(engines, workload):
     """Random budgets, chunk sizes, snapshot intervals, reuse, arrivals and cancellations at TP=2:
     every request's tokens and logprobs equal its cold serial run at TP=1, bit for bit."""
-    assert_batch_invariant(engines, workload)
+    _assert_with_history(engines, workload)
+
+
+@pytest.mark.slow  # the property above at the whole profile's budget, on the dense model
+@settings(max_examples=budget(1.0))
+@given(workload=prefix_workloads(VOCAB, max_prompt=160, max_jobs=6, max_tokens=10))
+def test_tp2_batched_equals_tp1_serial_bitwise_at_length(tiny_engines, workload):
+    _assert_with_history(tiny_engines, workload)
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(checkpoint_dir):
+    with Engines(checkpoint_dir("tiny"), max_seq_len=MAX_SEQ_LEN, batched_args=TP2, **OPTIONS) as engines:
+        yield engines
+
+
+def _assert_with_history(engines: Engines, workload: Workload) -> None:
+    """assert_batch_invariant; a failure also prints every workload the engines ran before, which
+    the slots' contents depend on (`pocketllm.testing.engines.replay` runs them again)."""
+    try:
+        assert_batch_invariant(engines, workload)
+    except ContractViolation as exc:
+        raise ContractViolation(f"{exc}\n\nthe engines' workloads so far, in order (replay them with "
+                                f"pocketllm.testing.engines.replay):\n{engines.history!r}") from None
 
 
 @settings(max_examples=budget(0.05))

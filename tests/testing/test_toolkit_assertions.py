@@ -28,6 +28,7 @@ from pocketllm.testing import (
     planted,
     strategies,
 )
+from pocketllm.testing.engines import replay
 
 BITS = re.compile(r"0x[0-9a-f]{8}")
 
@@ -65,6 +66,22 @@ def test_batch_invariance_holds_and_a_batch_dependent_tile_is_caught(tiny_checkp
     assert len(BITS.findall(message)) >= 2  # both logprobs' bits
     assert "'pocketllm.testing.planted:linear_row_count_dependent'" in message
     _reproduces(message)
+
+
+def test_engines_keep_their_history_and_replay_runs_it_on_fresh_engines(tiny_checkpoint):
+    """What the batched engines ran, in order, replays on other engines: no mismatch on the
+    engine, every one of a batch-dependent tile's (a counterexample that needs earlier workloads
+    to show is replayed the same way)."""
+    workloads = [Workload(_jobs(30, 9), max_batch_size=2), Workload(_jobs(5, 17, 3, 30, 9), max_batch_size=4)]
+    with Engines(tiny_checkpoint) as engines:
+        for workload in workloads:
+            assert_batch_invariant(engines, workload)
+        assert engines.history == workloads
+    with Engines(tiny_checkpoint) as fresh:
+        assert replay(fresh, workloads) == []
+    with Engines(tiny_checkpoint, invariance_probe=False,
+                 engine_args={"op_overrides": {"linear": planted.linear_row_count_dependent}}) as broken:
+        assert replay(broken, workloads) != []
 
 
 def test_a_budget_dependent_cut_is_caught_without_exact_positions(tiny_checkpoint):
