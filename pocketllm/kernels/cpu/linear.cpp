@@ -78,36 +78,31 @@ struct Lanes {
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
   }
-  // y[i] = sum(lanes of output i) (+ bias[i]) for `count` outputs whose 16 lanes lie one after the
-  // other from acc (readable up to a multiple of 16 outputs): sum()'s tree, lower lanes first, on 16
-  // outputs at a time, each level adding the halves of two registers' outputs (about 3 instructions
-  // per output against sum()'s 8; the first level's halves are put together as they are loaded,
-  // which does not take the shuffle port).
+  // The primitives of `sums` (tile.h), 16 outputs at a time: a register S holds one float per output.
+  using S = __m512;
+  static constexpr int GROUP = 16;
   static inline __m512 halves(__m512 lo, const float* hi) {  // [lo[0..7], hi[0..7]]
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(lo), _mm256_castps_pd(_mm256_loadu_ps(hi)), 1));
   }
-  static inline void sums(const float* acc, int64_t count, const float* bias, float* y) {
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    for (int64_t i = 0; i < count; i += 16, acc += 256) {
-      __m512 s8[8], s4[4], s2[2];
-      for (int p = 0; p < 8; ++p) {  // [l[j] + l[j+8] of output 2p, of output 2p+1]
-        const float* a = acc + 32 * p;
-        s8[p] = _mm512_add_ps(halves(_mm512_castps256_ps512(_mm256_loadu_ps(a)), a + 16),
-                              halves(_mm512_castps256_ps512(_mm256_loadu_ps(a + 8)), a + 24));
-      }
-      for (int p = 0; p < 4; ++p)  // 128-bit lane q: s4 of output 4p+q
-        s4[p] = _mm512_add_ps(_mm512_shuffle_f32x4(s8[2 * p], s8[2 * p + 1], 0x88),
-                              _mm512_shuffle_f32x4(s8[2 * p], s8[2 * p + 1], 0xDD));
-      for (int p = 0; p < 2; ++p)  // 128-bit lane q: s2 of outputs 8p+q, 8p+4+q
-        s2[p] = _mm512_add_ps(_mm512_shuffle_ps(s4[2 * p], s4[2 * p + 1], 0x44),
-                              _mm512_shuffle_ps(s4[2 * p], s4[2 * p + 1], 0xEE));
-      // element 4q+t: the sum of output 4t+q, put back in order
-      __m512 s = _mm512_permutexvar_ps(order, _mm512_add_ps(_mm512_shuffle_ps(s2[0], s2[1], 0x88),
-                                                            _mm512_shuffle_ps(s2[0], s2[1], 0xDD)));
-      const __mmask16 keep = count - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (count - i)) - 1u);
-      if (bias != nullptr) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(keep, bias + i));
-      _mm512_mask_storeu_ps(y + i, keep, s);
-    }
+  // [l[j] + l[j+8] of output 2p, of output 2p+1]: the halves put together as they are loaded, which does
+  // not take the shuffle port.
+  static inline S first(const float* acc, int p) {
+    const float* a = acc + 32 * p;
+    return _mm512_add_ps(halves(_mm512_castps256_ps512(_mm256_loadu_ps(a)), a + 16),
+                         halves(_mm512_castps256_ps512(_mm256_loadu_ps(a + 8)), a + 24));
+  }
+  static inline S blocks_even(S a, S b) { return _mm512_shuffle_f32x4(a, b, 0x88); }  // 128-bit lane q: output 4p+q
+  static inline S blocks_odd(S a, S b) { return _mm512_shuffle_f32x4(a, b, 0xDD); }
+  template <int IMM>
+  static inline S shuffle(S a, S b) { return _mm512_shuffle_ps(a, b, IMM); }
+  static inline S add(S a, S b) { return _mm512_add_ps(a, b); }
+  static inline S in_order(S s) {  // element 4q+t holds output 4t+q
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
+  }
+  static inline void store_sums(float* y, S s, int64_t count, const float* bias) {  // the first count <= 16
+    const __mmask16 keep = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1u);
+    if (bias != nullptr) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(keep, bias));
+    _mm512_mask_storeu_ps(y, keep, s);
   }
 };
 #include "tile.h"
@@ -159,25 +154,24 @@ struct Lanes {
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
   }
-  // As the AVX-512 sums: sum()'s tree on 8 outputs at a time.
-  static inline void sums(const float* acc, int64_t count, const float* bias, float* y) {
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int64_t i = 0; i < count; i += 8, acc += 128) {
-      __m256 s8[8], s4[4], s2[2];
-      for (int p = 0; p < 8; ++p) s8[p] = _mm256_add_ps(_mm256_loadu_ps(acc + 16 * p), _mm256_loadu_ps(acc + 16 * p + 8));
-      for (int p = 0; p < 4; ++p)  // 128-bit lane q: s4 of output 2p+q
-        s4[p] = _mm256_add_ps(_mm256_permute2f128_ps(s8[2 * p], s8[2 * p + 1], 0x20),
-                              _mm256_permute2f128_ps(s8[2 * p], s8[2 * p + 1], 0x31));
-      for (int p = 0; p < 2; ++p)  // 128-bit lane q: s2 of outputs 4p+q, 4p+2+q
-        s2[p] = _mm256_add_ps(_mm256_shuffle_ps(s4[2 * p], s4[2 * p + 1], 0x44),
-                              _mm256_shuffle_ps(s4[2 * p], s4[2 * p + 1], 0xEE));
-      // element 4q+t: the sum of output 2t+q, put back in order
-      __m256 s = _mm256_permutevar8x32_ps(_mm256_add_ps(_mm256_shuffle_ps(s2[0], s2[1], 0x88),
-                                                        _mm256_shuffle_ps(s2[0], s2[1], 0xDD)), order);
-      const __m256i keep = _mm256_castps_si256(mask(int(count - i < 8 ? count - i : 8)));
-      if (bias != nullptr) s = _mm256_add_ps(s, _mm256_maskload_ps(bias + i, keep));
-      _mm256_maskstore_ps(y + i, keep, s);
-    }
+  // The primitives of `sums` (tile.h), 8 outputs at a time.
+  using S = __m256;
+  static constexpr int GROUP = 8;
+  static inline S first(const float* acc, int p) {  // l[j] + l[j+8] of output p
+    return _mm256_add_ps(_mm256_loadu_ps(acc + 16 * p), _mm256_loadu_ps(acc + 16 * p + 8));
+  }
+  static inline S blocks_even(S a, S b) { return _mm256_permute2f128_ps(a, b, 0x20); }  // 128-bit lane q: output 2p+q
+  static inline S blocks_odd(S a, S b) { return _mm256_permute2f128_ps(a, b, 0x31); }
+  template <int IMM>
+  static inline S shuffle(S a, S b) { return _mm256_shuffle_ps(a, b, IMM); }
+  static inline S add(S a, S b) { return _mm256_add_ps(a, b); }
+  static inline S in_order(S s) {  // element 4q+t holds output 2t+q
+    return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  }
+  static inline void store_sums(float* y, S s, int64_t count, const float* bias) {  // the first count <= 8
+    const __m256i keep = _mm256_castps_si256(mask(int(count < 8 ? count : 8)));
+    if (bias != nullptr) s = _mm256_add_ps(s, _mm256_maskload_ps(bias, keep));
+    _mm256_maskstore_ps(y, keep, s);
   }
 };
 #include "tile.h"
@@ -259,8 +253,8 @@ static void take_items(std::atomic<int64_t>& next, int64_t items, const Work& wo
   for (int64_t i = next++; i < items; i = next++) work(i);
 }
 
-// Columns per work item of the packed tiles: 96 or 48 (multiples of the tile width and of Lanes::sums'
-// 16), W's packed block (columns x K) 384 KiB or, from K = 2048, 48 columns. It decides which thread
+// Columns per work item of the packed tiles: 96 or 48 (multiples of the tile width and of the 16
+// outputs `sums` (tile.h) takes at a time), W's packed block (columns x K) 384 KiB or, from K = 2048, 48 columns. It decides which thread
 // computes a column and when, not how.
 static int64_t panel_block_columns(int64_t K) {
   return std::max<int64_t>(48, std::min<int64_t>(avx512::PANEL_COLS, 96 * 1024 / std::max<int64_t>(K, 1) / 48 * 48));
@@ -307,7 +301,7 @@ static void run(const Variant& variant, const float* xp, int64_t ldx, int64_t M,
     while (packed_groups.load() < S * groups) std::this_thread::yield();
     const at::Tensor scratch = at::empty({acc + block * steps * 16}, at::kFloat);
     float* sp = scratch.data_ptr<float>();
-    std::fill(sp, sp + acc, 0.0f);  // Lanes::sums reads the lanes past a narrow block's last column too
+    std::fill(sp, sp + acc, 0.0f);  // sums (tile.h) reads the lanes past a narrow block's last column too
     take_items(next_block, S * blocks, [&](int64_t item) {
       const int64_t s = item / blocks, i = item % blocks;
       v.panel_columns(pp + s * shard_packed, M, K, ws[s], K, bp, yp + s * M * N, N, i * block,

@@ -1,6 +1,7 @@
 // One register tile of y = x @ W^T: R rows of x by C rows (output columns) of W, in the reduction
 // order that linear.cpp documents. Included once per instruction set by linear.cpp, inside a
-// namespace that defines `Lanes` (16 logical fp32 lanes: zero, load, load_tail, fma, sum) and
+// namespace that defines `Lanes` (16 logical fp32 lanes: zero, load, load_tail, fma, sum; and the
+// steps of `sums` on a register S of GROUP outputs) and
 // under that instruction set's `#pragma GCC target`, so the same source yields both variants.
 // Every accumulator acc[r][c] is one output's 16 lanes; the tile shape only groups independent
 // outputs, so it never changes any output's order. W's elements are `WT`: float, or BF16, which
@@ -12,6 +13,28 @@
 static constexpr int64_t PREFETCH_AHEAD = 512;
 
 // LANES: store each output's 16 lanes at y + (r * C + c) * 16 instead of its sum (`shard_columns`).
+// y[i] = sum(lanes of output i) (+ bias[i]) for `count` outputs whose 16 lanes lie one after the other
+// from acc (readable up to a multiple of Lanes::GROUP outputs): Lanes::sum's tree, lower lanes first,
+// on GROUP outputs at a time (one register S holds one float of each), each level adding the halves of
+// two registers' outputs, a few instructions an output against sum()'s 8. The instruction set gives
+// the steps: `first` (l[j] + l[j+8]), 128-bit blocks of two registers (`blocks_even`, `blocks_odd`),
+// `shuffle` within blocks, and `in_order`, which puts the outputs back in order at the end.
+static inline void sums(const float* acc, int64_t count, const float* bias, float* y) {
+  using S = typename Lanes::S;
+  for (int64_t i = 0; i < count; i += Lanes::GROUP, acc += 16 * Lanes::GROUP) {
+    S s8[8], s4[4], s2[2];
+    for (int p = 0; p < 8; ++p) s8[p] = Lanes::first(acc, p);
+    for (int p = 0; p < 4; ++p)
+      s4[p] = Lanes::add(Lanes::blocks_even(s8[2 * p], s8[2 * p + 1]), Lanes::blocks_odd(s8[2 * p], s8[2 * p + 1]));
+    for (int p = 0; p < 2; ++p)
+      s2[p] = Lanes::add(Lanes::template shuffle<0x44>(s4[2 * p], s4[2 * p + 1]),
+                         Lanes::template shuffle<0xEE>(s4[2 * p], s4[2 * p + 1]));
+    const S s = Lanes::in_order(Lanes::add(Lanes::template shuffle<0x88>(s2[0], s2[1]),
+                                           Lanes::template shuffle<0xDD>(s2[0], s2[1])));
+    Lanes::store_sums(y + i, s, count - i, bias != nullptr ? bias + i : nullptr);
+  }
+}
+
 template <int R, int C, typename WT, bool LANES = false>
 static void tile(const float* x, int64_t ldx, const WT* w, int64_t ldw, int64_t K,
                  const float* bias, float* y, int64_t ldy) {
@@ -93,12 +116,12 @@ static constexpr int TILE_OUTPUTS = tile_outputs();
 // `columns` for W in S shards of K columns each (shard s: ws[s], [N, K] contiguous; x's columns from
 // s K on): each output the shard tree, (0+1), (2+3), ..., of its shards' products, each in the order
 // of `tile`. A tile's lanes for every shard go to `lanes` (S * TILE_OUTPUTS * 16 floats, the 16 past
-// the last zeroed by the caller) and their lane trees are Lanes::sums, 16 outputs at a time: the same
+// the last zeroed by the caller) and their lane trees are `sums`, GROUP outputs at a time: the same
 // tree as Lanes::sum, a few instructions an output instead of one horizontal sum each.
 template <typename WT>
 static void shard_columns(const float* x, int64_t M, int64_t ldx, const WT* const* ws, int64_t S, int64_t K, float* y,
                           int64_t ldy, int64_t n0, int64_t n1, float* lanes) {
-  float sums[64 * TILE_OUTPUTS];  // S <= 64
+  float totals[64 * TILE_OUTPUTS];  // S <= 64
   for (int64_t m = 0; m < M; m += Lanes::ROWS) {
     const int rows = int(M - m < Lanes::ROWS ? M - m : Lanes::ROWS);
     const int width = Lanes::cols(rows);
@@ -107,12 +130,13 @@ static void shard_columns(const float* x, int64_t M, int64_t ldx, const WT* cons
       for (int64_t s = 0; s < S; ++s)
         any_tile<Lanes::ROWS, Lanes::cols(Lanes::ROWS), WT, true>(rows, cols, x + m * ldx + s * K, ldx, ws[s] + n * K,
                                                                  K, K, nullptr, lanes + s * outputs * 16, 0);
-      Lanes::sums(lanes, S * outputs, nullptr, sums);
+      sums(lanes, S * outputs, nullptr, totals);
       for (int64_t step = 1; step < S; step *= 2)
         for (int64_t s = 0; s < S; s += 2 * step)
-          for (int o = 0; o < outputs; ++o) sums[s * outputs + o] = sums[s * outputs + o] + sums[(s + step) * outputs + o];
+          for (int o = 0; o < outputs; ++o)
+            totals[s * outputs + o] = totals[s * outputs + o] + totals[(s + step) * outputs + o];
       for (int r = 0; r < rows; ++r)
-        for (int c = 0; c < cols; ++c) y[(m + r) * ldy + n + c] = sums[r * cols + c];
+        for (int c = 0; c < cols; ++c) y[(m + r) * ldy + n + c] = totals[r * cols + c];
     }
   }
 }
@@ -128,11 +152,11 @@ static void shard_columns(const float* x, int64_t M, int64_t ldx, const WT* cons
 // from a buffer (or start at +0 for the first block), continue each lane's FMAs in increasing k and
 // store them back, so every lane gets the FMA sequence a tile above gives it, only interrupted by an
 // exact fp32 store and load. A group's packed rows of one K block stay in L1 across the block's tiles,
-// the packed block of W in L2 across the groups. The lane tree and the bias are Lanes::sums, on the
+// the packed block of W in L2 across the groups. The lane tree and the bias are sums, on the
 // buffer.
 static constexpr int PANEL_ROWS = Lanes::PANEL_ROWS;
 static constexpr int PANEL_C = Lanes::PANEL_C;
-static constexpr int64_t PANEL_COLS = 96;  // a multiple of 16 (Lanes::sums) and of PANEL_C
+static constexpr int64_t PANEL_COLS = 96;  // a multiple of 16 (sums) and of PANEL_C
 static constexpr int64_t PANEL_STEPS = 32;
 
 // The 16-lane steps of K, the zero-padded tail included.
@@ -229,6 +253,6 @@ static void panel_columns(const float* xp, int64_t M, int64_t K, const WT* w, in
       }
     }
     for (int r = 0; r < rows; ++r)
-      Lanes::sums(acc + r * PANEL_COLS * 16, width, bias ? bias + n0 : nullptr, y + (m + r) * ldy + n0);
+      sums(acc + r * PANEL_COLS * 16, width, bias ? bias + n0 : nullptr, y + (m + r) * ldy + n0);
   }
 }
