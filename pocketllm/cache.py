@@ -9,12 +9,15 @@ admission to completion and kernels need no per-token index loads.
   when a slot is reset for a new tenant, so a slot's previous tenant never leaks into the next.
   With exact positions (`replay=True`) each also has a replay buffer [num_slots, CHUNK_SIZE, width]
   fp32: the raw inputs since the last chunk boundary, which the recurrent state stays at (exact
-  replay, see `kernels/_gated_delta.py`). It is swapped and snapshotted with the states, but not
-  kept in prefix state copies: those sit on the chunk grid, where a chunk has no replayed rows.
+  replay, see `kernels/_gated_delta.py`). It is swapped and snapshotted with the states, and kept
+  in a prefix state copy only off the chunk grid (on it, a chunk has no replayed rows).
 Prefix reuse (see `scheduler/prefix_index.py`) resets a slot keeping its first `keep` positions,
 or copies a prefix from another slot. K/V of a prefix are complete as they stand; a Gated
 DeltaNet layer also needs its states as they were after the prefix, so the scheduler keeps
-`prefix_states`: copies of a slot's conv and recurrent state at chunk boundaries of its prefill.
+`prefix_states`: copies of a slot's conv and recurrent state at positions of its snapshot grid, and
+with exact positions one more, off the grid, where its last tenant ended (a chat's next turn
+resumes there). A slot keeps at most one copy off the chunk grid, so the copies' memory has a
+bound known before the cache is built (`LLM.capabilities.state_snapshot_bytes_per_slot`).
 The cache holds tensors only: these are primitives. Which slots are free, which request holds
 which slot, what a freed slot holds, and when contents may be reused, swapped or must be
 forgotten, is decided in one place, `scheduler/slots.py`.
@@ -169,6 +172,7 @@ class SlotCache:
                                                device=device) if replay else None)
         # Per slot: position -> copies of its states (one per layer with states) after that many tokens.
         self.prefix_states: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(num_slots)]
+        self.end_copy: list[int | None] = [None] * num_slots  # per slot: the position of its `end` copy
         self.prefix_state_bytes = sum(s[0].numel() * s.element_size() for s in self._states())  # one copy
 
     @property
@@ -196,11 +200,31 @@ class SlotCache:
     def forget(self, slot: int) -> None:
         """Drop a slot's state copies: its contents are no longer trusted (a failed forward)."""
         self.prefix_states[slot] = {}
+        self.end_copy[slot] = None
 
-    def save_prefix_state(self, slot: int, position: int) -> None:
-        """Keep a copy of the slot's states as they are with `position` tokens prefilled."""
-        if self.has_states:
-            self.prefix_states[slot][position] = [s[slot].clone() for s in self._states()]
+    def save_prefix_state(self, slot: int, position: int, end: bool = False) -> None:
+        """Keep a copy of the slot's states as they are with `position` tokens cached (off the chunk
+        grid with the replay buffers too). `end`: where the slot's tenant ended; it replaces the
+        slot's previous such copy, so a slot keeps at most one besides its snapshot grid (the copies'
+        memory bound)."""
+        if not self.has_states:
+            return
+        copies = self.prefix_states[slot]
+        if end:
+            if position in copies:  # a snapshot position
+                return
+            previous, self.end_copy[slot] = self.end_copy[slot], position
+            if previous is not None:
+                del copies[previous]
+        states = self._slot_states() if position % CHUNK_SIZE else self._states()
+        copies[position] = [s[slot].clone() for s in states]
+
+    def resume_point(self, slot: int, length: int) -> int:
+        """The longest prefix of at most `length` positions slot `slot` can be resumed from: `length`
+        for a model without recurrent states, else the furthest position with a state copy (0: none)."""
+        if not self.has_states:
+            return length
+        return max((p for p in self.prefix_states[slot] if p <= length), default=0)
 
     def copy_prefix(self, source: int, target: int, length: int) -> None:
         """Give slot `target` the first `length` positions of slot `source`: K/V rows copied bit for
@@ -217,15 +241,15 @@ class SlotCache:
         `length` are dropped and `source`'s copies up to `length` shared (they are never written)."""
         kept = {p: c for p, c in self.prefix_states[source].items() if p <= length} if length else {}
         self.prefix_states[target] = kept
-        for i, state in enumerate(self._states()):
-            if length:
-                state[target].copy_(kept[length][i])
-            else:
-                state[target].zero_()
+        end = self.end_copy[source]
+        self.end_copy[target] = end if end is not None and end in kept else None
         if not length:
-            for replay in self.replay:
-                if replay is not None:
-                    replay[target].zero_()
+            for state in self._slot_states():
+                state[target].zero_()
+            return
+        # A copy on the chunk grid holds no replay buffers: no row of them is read there.
+        for state, copy in zip(self._slot_states(), kept[length] if self.has_states else []):
+            state[target].copy_(copy)
 
     def swap_bytes(self, length: int) -> int:
         """Host bytes a slot with `length` positions takes once swapped out."""
@@ -262,8 +286,8 @@ class SlotCache:
     @property
     def prefix_state_nbytes(self) -> int:
         """Bytes held by state copies now (copies shared between slots counted once)."""
-        unique = {id(c[0]) for states in self.prefix_states for c in states.values()}
-        return len(unique) * self.prefix_state_bytes
+        unique = {id(c[0]): c for states in self.prefix_states for c in states.values()}
+        return sum(t.numel() * t.element_size() for copy in unique.values() for t in copy)
 
     def snapshot_states(self, slots: list[int], starts: list[int]) -> StateSnapshot | None:
         """What `restore_states` needs to undo a forward over `slots` (with `starts` tokens cached):

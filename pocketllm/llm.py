@@ -146,10 +146,11 @@ class LLM:
                 self.workers.stop()
             raise
 
-    def _state_bytes(self) -> int:
-        """Bytes of one slot's Gated DeltaNet states (0 for a model without them)."""
+    def _state_bytes(self, replay: bool = False) -> int:
+        """Bytes of one slot's Gated DeltaNet states, with `replay` their replay buffers too (0 for a
+        model without them)."""
         states = [s for s in layer_specs(self.model_config) if isinstance(s, RecurrentCacheSpec)]
-        return cache_bytes(1, 0, list(states), self.args.torch_dtype)
+        return cache_bytes(1, 0, list(states), self.args.torch_dtype, replay)
 
     def _prefill_policy(self) -> PrefillPolicy:
         """Cuts, budget and reuse from the options; no prefix reuse for a hybrid model that keeps
@@ -160,10 +161,14 @@ class LLM:
         return PrefillPolicy(engine.max_num_batched_tokens, engine.prefill_chunk_size, interval, reuse)
 
     def _snapshot_bytes_per_slot(self) -> int:
-        """The most one slot's state copies can take: one per snapshot position below max_seq_len."""
+        """The most one slot's state copies can take: one per snapshot position below max_seq_len,
+        and with exact positions one where its last tenant ended, with the replay buffers."""
         batched = self.args.options.engine.enable_batching  # the serial path reuses nothing
         interval = self.policy.snapshot_interval if self.policy.prefix_reuse and batched else 0
-        return (self.args.max_seq_len - 1) // interval * self._state_bytes() if interval else 0
+        if not interval:
+            return 0
+        grid = (self.args.max_seq_len - 1) // interval * self._state_bytes()
+        return grid + (self._state_bytes(self._replay_buffers(self._op_table())) if self._exact_requested() else 0)
 
     def _op_table(self) -> Ops:
         return op_table(self.args)

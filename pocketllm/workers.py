@@ -243,9 +243,9 @@ class ParallelCache(SlotCache):
         super().forget(slot)
         self.workers.send(["forget", slot])
 
-    def save_prefix_state(self, slot: int, position: int) -> None:
-        super().save_prefix_state(slot, position)
-        self.workers.send(["save_prefix_state", slot, position])
+    def save_prefix_state(self, slot: int, position: int, end: bool = False) -> None:
+        super().save_prefix_state(slot, position, end)
+        self.workers.send(["save_prefix_state", slot, position, end])
 
     def copy_prefix(self, source: int, target: int, length: int) -> None:
         super().copy_prefix(source, target, length)

@@ -71,8 +71,8 @@ class PrefillPolicy:
     def reusable(self, shared: int, prompt_len: int, any_position: bool = False) -> int:
         """How much of a prompt may come from a slot that holds its first `shared` tokens: rounded
         down to the reuse grid (any length with `any_position`: where exact positions make every
-        cut exact and no recurrent state has to be kept for it), and at least one token left to
-        prefill (it yields the first logits)."""
+        cut exact; a hybrid model's slot then resumes from its furthest kept state within it), and
+        at least one token left to prefill (it yields the first logits)."""
         if not self.prefix_reuse or not (self.reuse_grid or any_position):
             return 0
         most = min(shared, prompt_len - 1)

@@ -12,9 +12,11 @@ Prefix reuse: a new request takes the slot whose contents share the longest reus
 with its prompt (free slots first at equal length, then the least recently used); when the best
 donor is busy, the prefix is copied into a free slot instead. With exact positions
 (`reuse_decoded`) every cut is exact and the positions decode steps wrote hold a prefill's bits, so
-they are reused too; a model without recurrent states then reuses a prefix of any length
-(`reuse_any`: the index finds slots by 16-token blocks, the match is extended to the token), a
-hybrid one up to a position where its states were kept (the snapshot grid). Without exact positions
+they are reused too, and a prefix of any length is found (`reuse_any`: the index finds slots by
+16-token blocks, the match is extended to the token). A model without recurrent states reuses it
+whole; a hybrid one up to the furthest position where the slot's states were kept: its snapshot
+grid, and where the slot's last tenant ended (a chat's next turn reuses the whole last turn).
+Without exact positions
 the reused length is rounded down to the policy's reuse grid and only prefilled positions are reused,
 so the rest of the prompt runs the pieces, and gets the bits, of a cold run.
 """
@@ -54,9 +56,9 @@ class SlotManager:
         # Whether decoded positions are reusable: only where they have the bits a prefill would give
         # them (exact positions).
         self.reuse_decoded = reuse_decoded
-        # Whether a prefix is reusable to any length: with exact positions every cut is exact, and
-        # without recurrent states nothing has to be kept where a prefix ends.
-        self.reuse_any = reuse_decoded and not cache.has_states
+        # Whether a prefix is reusable to any length: with exact positions every cut is exact (a
+        # hybrid model's up to a position where its states were kept: `SlotCache.resume_point`).
+        self.reuse_any = reuse_decoded
         self._free = list(range(cache.num_slots))  # least recently used first
         self._held: list[list[int]] = [[] for _ in range(cache.num_slots)]  # per freed slot: its tokens
         self.index = PrefixIndex(cache.num_slots, self._index_grid(policy))
@@ -126,8 +128,10 @@ class SlotManager:
         free = self.free_slots  # least recently used first
         limit = self.policy.reusable(len(prompt), len(prompt), self.reuse_any) if reuse else 0
         matches = self.index.match(prompt, limit) if limit else {}
-        if self.reuse_any:  # whole blocks found; each match extended to the token
-            matches = {slot: self.index.common_prefix(slot, prompt, limit) for slot in matches}
+        if self.reuse_any:  # whole blocks found; each match extended to the token, then to a kept state
+            matches = {slot: self.cache.resume_point(slot, self.index.common_prefix(slot, prompt, limit))
+                       for slot in matches}
+            matches = {slot: length for slot, length in matches.items() if length}
         # Longest prefix; at equal length a free slot (no copy), then the least recently used.
         rank = {slot: i for i, slot in enumerate(free)}
         best = max(matches, key=lambda s: (matches[s], s in rank, -rank.get(s, 0)), default=None)
@@ -193,9 +197,10 @@ class SlotManager:
 
     def _index_decoded(self, request: Request) -> None:
         """With `reuse_decoded`, index what decode steps wrote after the prompt (the next turn of a
-        conversation reuses the previous answer too)."""
+        conversation reuses the previous answer too), and keep the states where the request ends."""
         if self.reuse_decoded and request.assigned_slot not in self._unindexed and not request.prefilling:
             self.index.extend(request.assigned_slot, request.held_tokens(), request.num_cached)
+            self.cache.save_prefix_state(request.assigned_slot, request.num_cached, end=True)
 
     def _discard(self, slot: int) -> None:
         """Free a slot whose contents may be wrong: nothing in it is reused."""

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from test_exact_positions import SCORE, _engine, _mismatch, _workload
 
 from pocketllm import LLM, SamplingParams, write_checkpoint
+from pocketllm.cache import SlotCache
 from pocketllm.kernels.gated_delta_decode import gated_delta_decode_recurrent
 
 # The torch backend's two exact Gated DeltaNet paths: its default (C++, token by token) and the
@@ -140,20 +141,74 @@ def test_negative_control_hybrid_without_replay_is_caught(checkpoint_dir):
     assert _mismatch(llm, tokens, [7]) is not None
 
 
-def test_the_next_turn_reuses_the_previous_answer_on_a_hybrid(checkpoint_dir):
-    """Turn 2 extends turn 1's prompt (50 tokens) and answer (40): it resumes from the Gated DeltaNet
-    states kept where a decode step reached position 64, and gets the bits of a cold run."""
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+def _outputs(result) -> tuple:
+    return result.token_ids, result.logprobs, result.top_logprobs
+
+
+@GDN_PATHS
+def test_the_next_turn_reuses_the_previous_answer_on_a_hybrid(checkpoint_dir, gdn):
+    """Default snapshot grid (512). Turn 2 extends turn 1's prompt (50 tokens) and answer (40): it
+    resumes from the states kept where turn 1 ended (89 positions: the answer's last token was never
+    fed; off every grid, with the replay rows on the chunked path) and equals its cold run. A prompt
+    that leaves turn 1 after 70 tokens finds no kept state within them (the grid is 512), then, on a
+    grid of 64, resumes from the copy a decode step kept at 64."""
     path = checkpoint_dir("qwen3.5")
-    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)  # noqa: E731
     prompt = [(5 * i + 1) % 200 for i in range(50)]
-    llm = _engine(path, batched=True, max_batch_size=2, prefill_chunk_size=64, state_snapshot_interval=64)
-    first = llm.generate(prompt, greedy(40))
+    llm = _engine(path, batched=True, max_batch_size=2, overrides=gdn, exact=None)
+    assert llm.capabilities.exact_positions
+    first = llm.generate(prompt, _greedy(40))
     second_prompt = prompt + first.token_ids + [7] * 3
-    second = llm.generate(second_prompt, greedy(5))
-    assert llm.scheduler.get_stats().prefix_tokens_reused == 64
-    cold = _engine(path).generate(second_prompt, greedy(5))
-    assert (second.token_ids, second.logprobs, second.top_logprobs) == \
-        (cold.token_ids, cold.logprobs, cold.top_logprobs)
+    second = llm.generate(second_prompt, _greedy(5))
+    stats = llm.scheduler.get_stats
+    assert stats().prefix_tokens_reused == 89
+    cold = _engine(path, overrides=gdn)
+    assert _outputs(second) == _outputs(cold.generate(second_prompt, _greedy(5)))
+    branch = second_prompt[:70] + [9] * 4
+    llm.generate(branch, _greedy(2))
+    assert stats().prefix_tokens_reused == 89
+    grid = _engine(path, batched=True, max_batch_size=2, overrides=gdn, exact=None, state_snapshot_interval=64)
+    grid.generate(prompt, _greedy(40))
+    assert _outputs(grid.generate(branch, _greedy(3))) == _outputs(cold.generate(branch, _greedy(3)))
+    assert grid.scheduler.get_stats().prefix_tokens_reused == 64
+
+
+def _two_follow_ups(path, gdn) -> tuple[list, LLM]:
+    """Turn 1 (30 + 40 tokens), then two follow-ups of it arriving together: the first takes turn 1's
+    slot, the second copies its 69 positions and kept states while that slot is busy. Returns the
+    follow-ups' results (each beside its prompt) and the engine."""
+    prompt = [(7 * i + 3) % 200 for i in range(30)]
+    llm = _engine(path, batched=True, max_batch_size=3, overrides=gdn, exact=None)
+    first = llm.generate(prompt, _greedy(40))
+    follow_ups = [prompt + first.token_ids + [m] * 4 for m in (11, 12)]
+    return list(zip(follow_ups, llm.generate(follow_ups, [_greedy(4)] * 2))), llm
+
+
+@GDN_PATHS
+def test_a_busy_slots_kept_end_state_is_copied_into_another_slot(checkpoint_dir, gdn):
+    path = checkpoint_dir("qwen3.5")
+    results, llm = _two_follow_ups(path, gdn)
+    assert llm.scheduler.get_stats().prefix_tokens_reused == 2 * 69
+    cold = _engine(path, overrides=gdn)
+    for prompt, result in results:
+        assert _outputs(result) == _outputs(cold.generate(prompt, _greedy(4)))
+
+
+def test_negative_control_an_end_state_kept_without_its_replay_rows_is_caught(checkpoint_dir, monkeypatch):
+    """Planted: the copy kept off the chunk grid leaves out the replay buffers, so the slot the
+    second follow-up copies into replays zeros for positions 64..68 of their chunk."""
+    def save_without_replay(cache, slot, position, end=False):
+        if cache.has_states and not (end and position in cache.prefix_states[slot]):
+            cache.prefix_states[slot][position] = [s[slot].clone() for s in cache._states()]
+
+    monkeypatch.setattr(SlotCache, "save_prefix_state", save_without_replay)
+    path = checkpoint_dir("qwen3.5")
+    results, _ = _two_follow_ups(path, REPLAY)
+    cold = _engine(path, overrides=REPLAY)
+    assert [_outputs(r) == _outputs(cold.generate(p, _greedy(4))) for p, r in results] == [True, False]
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])

@@ -80,6 +80,34 @@ def test_copy_prefix_copies_rows_and_states_bit_for_bit():
         cache.copy_prefix(source, target, 8)
 
 
+def test_a_slot_keeps_one_end_copy_with_its_replay_rows_off_the_chunk_grid():
+    """save_prefix_state(end=True): where a tenant ended. Off the chunk grid (64) the copy holds the
+    replay buffers too, and a slot's new end copy replaces its last one (snapshot copies stay), so
+    the copies' memory has a bound; resume_point finds the furthest copy within a prefix, and a copy
+    into another slot takes the end copy with it."""
+    cache = SlotCache(2, 256, LAYERS, torch.float32, replay=True)
+    slot = 0
+    cache.save_prefix_state(slot, 64)
+    cache.recurrent[1][slot].fill_(2.0)
+    cache.replay[1][slot].fill_(4.0)
+    cache.save_prefix_state(slot, 70, end=True)
+    cache.save_prefix_state(slot, 128, end=True)  # on the chunk grid: no replay rows
+    assert sorted(cache.prefix_states[slot]) == [64, 128] and len(cache.prefix_states[slot][128]) == 2
+    cache.save_prefix_state(slot, 64, end=True)  # a snapshot position: nothing new, nothing replaced
+    assert sorted(cache.prefix_states[slot]) == [64, 128] and cache.end_copy[slot] == 128
+    cache.save_prefix_state(slot, 90, end=True)
+    assert sorted(cache.prefix_states[slot]) == [64, 90] and cache.end_copy[slot] == 90
+    assert len(cache.prefix_states[slot][90]) == 3 and len(cache.prefix_states[slot][64]) == 2
+    assert [cache.resume_point(slot, n) for n in (63, 64, 89, 90, 200)] == [0, 64, 64, 90, 90]
+    cache.recurrent[1][slot].zero_()
+    cache.replay[1][slot].zero_()
+    cache.copy_prefix(slot, 1, 90)
+    assert bool((cache.recurrent[1][1] == 2).all()) and bool((cache.replay[1][1] == 4).all())
+    assert cache.end_copy[1] == 90 and sorted(cache.prefix_states[1]) == [64, 90]
+    cache.reset(1, keep=64)
+    assert cache.end_copy[1] is None and sorted(cache.prefix_states[1]) == [64]
+
+
 def test_every_tensor_is_on_the_requested_device():
     """On another device (the meta device stands in for a GPU here) every slot tensor lives there."""
     cache = SlotCache(2, 4, LAYERS, torch.float32, device="meta")
