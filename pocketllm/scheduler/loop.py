@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from ..machine import release_openmp_team
 from ..runner import ModelRunner
 from .delivery import Delivery
 from .execute import Outcome, Work, execute
@@ -112,7 +113,10 @@ class SchedulerLoop:
         Every thread that runs torch ops keeps a team of its own, so a second such thread, even
         idle, makes the working team sleep on futexes between regions, measurably slower per
         token. So with a background thread the engine builds the model on a thread that then
-        exits (`LLM`), and the background thread does all the math."""
+        exits (`LLM`), and the background thread does all the math; a thread that waits for it lets
+        its own idle team go (`release_openmp_team`)."""
+        if not self._must_step():
+            release_openmp_team()
         while True:
             with self._lock:
                 if done():
