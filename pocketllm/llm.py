@@ -331,10 +331,12 @@ class LLM:
         assert prompt_tokens is not None
         return prompt_tokens
 
-    def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+    def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """The token ids of `messages` rendered by the checkpoint's chat template (see pocketllm.chat):
-        the one path `chat()` and the server's chat endpoint share."""
-        text = render_chat(self.chat_template, messages, add_generation_prompt)
+        the one path `chat()` and the server's chat endpoint share. `template_kwargs`: more variables
+        of the template (Qwen3's `enable_thinking`)."""
+        text = render_chat(self.chat_template, messages, add_generation_prompt, **(template_kwargs or {}))
         return self._encode([text])[0]
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],

@@ -17,10 +17,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ..async_llm import AsyncLLM
-from .chat import create_chat_completion
+from .chat import chat_prompt, create_chat_completion
 from .completions import create_completion
-from .errors import APIError, bad_request, install_handlers
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, message_dicts
+from .errors import APIError, install_handlers
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,10 @@ def build_app(engine: AsyncLLM, model_name: str | None = None, owns_engine: bool
     async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
         return _detokenize(state, req)
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        return state.tokenizer_info()
+
     @app.get("/metrics")
     async def metrics(format: str = "prometheus") -> Response:
         return _metrics(state, format)
@@ -105,8 +109,7 @@ def _tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
         raise APIError(400, "pass one of prompt or messages", "prompt")
     llm = state.engine.llm
     if req.messages is not None:
-        with bad_request("messages"):
-            tokens = llm.chat_prompt(message_dicts(req.messages), req.add_generation_prompt)
+        tokens = chat_prompt(state, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
     elif llm.tokenizer is None:
         raise APIError(400, "this model has no tokenizer.json: text cannot be tokenized", "prompt")
     else:

@@ -12,7 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from ..scheduler.stream import TokenDelta
 from .errors import APIError, EngineFailure, bad_request, sse_error
-from .protocol import ChatCompletionRequest, message_dicts
+from .protocol import ChatCompletionRequest, ChatMessage, message_dicts
 from .runs import ChoiceRun, ClientDisconnected, merged, until_disconnect
 from .state import ServerState, choice_specs, logprob, new_id, sampling_params, usage
 
@@ -38,15 +38,26 @@ def _max_tokens(req: ChatCompletionRequest, prompt_len: int, max_seq_len: int) -
     return max(1, max_seq_len - prompt_len), None
 
 
+def chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
+                template_kwargs: dict[str, Any] | None) -> list[int]:
+    """The messages through the chat template, with `chat_template_kwargs` as more of its variables;
+    a 400 naming the field at fault."""
+    reserved = sorted({"messages", "add_generation_prompt"} & set(template_kwargs or {}))
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs must not set {', '.join(reserved)} (fields of the request "
+                            f"itself)", "chat_template_kwargs")
+    try:
+        return state.engine.llm.chat_prompt(message_dicts(messages), add_generation_prompt, template_kwargs)
+    except (ValueError, TypeError) as exc:  # ChatTemplateError among them
+        raise APIError(400, str(exc), "messages") from None
+
+
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request) -> Response:
     """The reply to `messages`, or its server-sent events with `stream`."""
     stops = state.check_request(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-    try:
-        prompt = state.engine.llm.chat_prompt(message_dicts(req.messages), req.add_generation_prompt)
-    except (ValueError, TypeError) as exc:  # ChatTemplateError among them
-        raise APIError(400, str(exc), "messages") from None
+    prompt = chat_prompt(state, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
     top = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens, tokens_field = _max_tokens(req, len(prompt), state.max_seq_len)
     params = sampling_params(req, max_tokens, top, None,

@@ -73,10 +73,17 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     if req.stream and req.echo and req.logprobs is not None:
         raise APIError(400, "echo with logprobs is not supported with stream=true (the prompt's logprobs come with "
                             "the result); use stream=false", "echo")
+    # echo with max_tokens=0 (HELM's and vLLM's scoring shape): the prompt and its logprobs, nothing
+    # generated; the engine samples one token, which the response leaves out.
+    prompt_only = req.echo and req.max_tokens == 0
+    if prompt_only and req.stream:
+        raise APIError(400, "max_tokens=0 with echo (the prompt scored, nothing generated) needs stream=false",
+                       "max_tokens")
     prompts, texts = _prompts(state, req.prompt)
     scoring = req.echo and req.logprobs is not None
-    params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs,
-                             req.logprobs if scoring else None, {"prompt_logprobs": "logprobs"})
+    max_tokens = 1 if prompt_only else 16 if req.max_tokens is None else req.max_tokens
+    params = sampling_params(req, max_tokens, req.logprobs, req.logprobs if scoring else None,
+                             {"prompt_logprobs": "logprobs"})
     state.check_prompts(prompts, params, "prompt", None if req.max_tokens is None else "max_tokens")
     specs = choice_specs(prompts, req, [params] * len(prompts), stops)
     echoes = [text if text is not None else state.decode(p) for p, text in zip(prompts, texts)] if req.echo else None
@@ -86,16 +93,17 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         if req.stream:
             events = _events(state, req, runs, prompts, echoes)
             return StreamingResponse(events, media_type="text/event-stream")
-        return await until_disconnect(request, _complete(state, req, runs, prompts, echoes))
+        return await until_disconnect(request, _complete(state, req, runs, prompts, echoes, prompt_only))
     except ClientDisconnected:
         return Response(status_code=499)
 
 
 async def _complete(state: ServerState, req: CompletionRequest, runs: list[ChoiceRun], prompts: list[list[int]],
-                    echoes: list[str] | None) -> Response:
+                    echoes: list[str] | None, prompt_only: bool) -> Response:
+    """The response body; with `prompt_only` (echo, max_tokens=0) without the sampled token."""
     texts = {run.spec.index: "" for run in runs}
     async for piece in merged(runs):
-        texts[piece.index] += piece.text
+        texts[piece.index] += "" if prompt_only else piece.text
     choices = []
     for run in runs:
         spec = run.spec
@@ -103,12 +111,13 @@ async def _complete(state: ServerState, req: CompletionRequest, runs: list[Choic
         lp = None
         if req.logprobs is not None:
             writer = LogprobsWriter(state, req.return_tokens_as_token_ids)
-            entries = (_prompt_entries(run) if req.echo else []) + _delta_entries(run)
+            entries = (_prompt_entries(run) if req.echo else []) + ([] if prompt_only else _delta_entries(run))
             lp = writer.write(entries, first_is_prompt_start=req.echo)
         choices.append({"index": spec.index, "text": echo + texts[spec.index], "logprobs": lp,
-                        "finish_reason": run.finish})
+                        "finish_reason": "length" if prompt_only else run.finish})
+    generated = 0 if prompt_only else sum(len(r.deltas) for r in runs)
     body = {"id": new_id("cmpl"), "object": "text_completion", "created": state.created, "model": state.model_name,
-            "choices": choices, "usage": usage(prompts, sum(len(r.deltas) for r in runs))}
+            "choices": choices, "usage": usage(prompts, generated)}
     return Response(json.dumps(body), media_type="application/json")
 
 

@@ -2,8 +2,10 @@
 
 Types are checked strictly (a "5" is not an int) and unknown fields are refused: a parameter the
 engine does not implement must never be dropped silently. Parameters OpenAI or vLLM define that
-pocketllm does not implement are accepted only at their neutral value (REFUSED); ranges are left
-to SamplingParams, whose errors name the field too.
+pocketllm does not implement are accepted only at their neutral value (REFUSED; `response_format`
+also as {"type": "text"}, and `parallel_tool_calls` at either value without tools); fields that
+change no output (`store`, `metadata`, `reasoning_effort`, `user`) are accepted and kept nowhere.
+Ranges are left to SamplingParams, whose errors name the field too.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ REFUSED: dict[str, Any] = {
     "best_of": None, "logit_bias": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
     "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0, "suffix": None, "use_beam_search": False,
     "length_penalty": 1.0, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
-    "response_format": None, "parallel_tool_calls": None,
+    "response_format": None,
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None}
 
 
@@ -53,7 +55,10 @@ class SamplingFields(StrictModel):
     ignore_eos: bool = False  # vLLM's extra field
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # metadata only
+    user: str | None = None  # metadata only, as the three below
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    reasoning_effort: str | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's extra field: tokens as "token_id:N"
     # Refused unless at their neutral value (REFUSED).
     best_of: int | None = None
@@ -75,6 +80,8 @@ class SamplingFields(StrictModel):
         for name, neutral in REFUSED.items():
             value = getattr(self, name, neutral)
             if name == "best_of" and value == self.n:  # best_of == n is plain sampling
+                continue
+            if name == "response_format" and value == {"type": "text"}:  # plain text: what is generated anyway
                 continue
             if value != neutral:
                 raise UnsupportedParameter(name, value)
@@ -113,7 +120,8 @@ class ChatCompletionRequest(SamplingFields):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: Any = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # with no tools (refused) either value changes nothing
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra field: variables of the chat template
 
 
 class TokenizeRequest(StrictModel):
@@ -122,6 +130,7 @@ class TokenizeRequest(StrictModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(StrictModel):

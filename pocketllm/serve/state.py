@@ -7,11 +7,15 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
 
 from ..async_llm import AsyncLLM
+from ..config import read_json_object
 from ..outputs import TopLogprobs
 from ..sampling import SamplingParams
 from ..scheduler.request import validate_prompt
+from ..tokenizer import TOKENIZER_CONFIG_FILE
 from .errors import APIError, bad_request
 from .protocol import SamplingFields
 from .runs import ChoiceSpec, InFlight
@@ -74,6 +78,20 @@ class ServerState:
             with bad_request(prompt_field, where=where):
                 validate_prompt(prompt, params, vocab_size, self.max_seq_len)
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's /tokenizer_info: the checkpoint's tokenizer_config.json (file paths left out), its
+        `tokenizer_class` and the chat template the server renders with."""
+        llm = self.engine.llm
+        if llm.tokenizer is None:
+            raise APIError(404, "this model has no tokenizer (tokenizer.json)", None)
+        path = Path(llm.args.model) / TOKENIZER_CONFIG_FILE
+        saved = read_json_object(path) if path.is_file() else {}
+        config = {key: value for key, value in saved.items() if not key.endswith("_file")}
+        config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        if llm.chat_template is not None:
+            config["chat_template"] = llm.chat_template
+        return config
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         tokenizer = self.engine.llm.tokenizer
         if tokenizer is None:
@@ -105,9 +123,12 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, 
                     renames: dict[str, str]) -> SamplingParams:
     """The request's SamplingParams; a bad value is a 400 naming the request's field."""
     top_k = 0 if req.top_k == -1 else req.top_k  # vLLM's "off"
+    seed = req.seed
+    if seed is not None and -(2**63) <= seed < 0:  # OpenAI's seed is an int64: a negative one is its bit pattern
+        seed += MAX_SEED
     with bad_request("sampling", renames):
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=top_k,
-                              seed=req.seed, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                              seed=seed, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 

@@ -26,7 +26,7 @@ CASES = [
     ("/v1/completions", {"temperature": "hot"}, "temperature"),
     ("/v1/completions", {"top_p": 0}, "top_p"),
     ("/v1/completions", {"top_k": -5}, "top_k"),
-    ("/v1/completions", {"seed": -1}, "seed"),
+    ("/v1/completions", {"seed": -(2**63) - 1}, "seed"),  # below int64 (a negative int64 is its bit pattern)
     ("/v1/completions", {"n": 0}, "n"),
     ("/v1/completions", {"logprobs": 21}, "logprobs"),
     ("/v1/completions", {"echo": True, "logprobs": 50}, "logprobs"),
