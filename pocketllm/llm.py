@@ -333,9 +333,8 @@ class LLM:
 
     def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True,
                     template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
-        """The token ids of `messages` rendered by the checkpoint's chat template (see pocketllm.chat):
-        the one path `chat()` and the server's chat endpoint share. `template_kwargs`: more variables
-        of the template (Qwen3's `enable_thinking`)."""
+        """The token ids of `messages` rendered by the checkpoint's chat template (pocketllm.chat), with
+        `template_kwargs` as more of its variables: the path `chat()` and the server's chat share."""
         text = render_chat(self.chat_template, messages, add_generation_prompt, **(template_kwargs or {}))
         return self._encode([text])[0]
 

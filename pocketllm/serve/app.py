@@ -10,13 +10,14 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ..async_llm import AsyncLLM
+from .access import allow_origins, require_api_key
 from .chat import chat_prompt, create_chat_completion
 from .completions import create_completion
 from .errors import APIError, install_handlers
@@ -26,10 +27,12 @@ from .state import ServerState
 logger = logging.getLogger(__name__)
 
 
-def build_app(engine: AsyncLLM, model_name: str | None = None, owns_engine: bool = False) -> FastAPI:
+def build_app(engine: AsyncLLM, model_name: str | None = None, owns_engine: bool = False, api_key: str | None = None,
+              allowed_origins: Sequence[str] = ()) -> FastAPI:
     """The app serving `engine` as `model_name` (default: the model directory as given, as vLLM
     names it). `owns_engine`: the app's shutdown closes the engine (unfinished requests end
-    "cancelled", slots freed) before the server process ends; otherwise the caller closes it."""
+    "cancelled", slots freed) before the server process ends; otherwise the caller closes it.
+    `api_key`: required on the /v1 routes; `allowed_origins`: where browsers may call from (access.py)."""
     state = ServerState(engine, model_name or engine.llm.args.model)
 
     @contextlib.asynccontextmanager
@@ -42,6 +45,10 @@ def build_app(engine: AsyncLLM, model_name: str | None = None, owns_engine: bool
     app = FastAPI(title="pocketllm", version="0.1.0", lifespan=lifespan)
     app.state.pocketllm = state
     install_handlers(app)
+    if api_key is not None:
+        require_api_key(app, api_key)
+    if allowed_origins:
+        allow_origins(app, allowed_origins)
 
     @app.get("/health")
     async def health() -> Response:

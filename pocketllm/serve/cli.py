@@ -20,6 +20,8 @@ from typing import Any
 
 from ..config import DTYPES, EngineArgs
 
+API_KEY_VARIABLE = "POCKETLLM_API_KEY"
+
 
 def _option(text: str) -> tuple[str, Any]:
     """KEY=VALUE with VALUE parsed as JSON where it is JSON (true, 8, null), else kept as a string."""
@@ -52,6 +54,17 @@ def _seconds(text: str) -> float:
     if not 0 <= seconds < math.inf:
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
     return seconds
+
+
+def _origins(text: str) -> list[str]:
+    """A JSON list of origins."""
+    try:
+        origins = json.loads(text)
+    except json.JSONDecodeError:
+        origins = None
+    if not isinstance(origins, list) or not all(isinstance(o, str) and o for o in origins):
+        raise argparse.ArgumentTypeError(f'must be a JSON list of origins such as \'["*"]\', got {text!r}')
+    return origins
 
 
 def check_address(host: str, port: int) -> None:
@@ -124,6 +137,12 @@ def add_parser(sub: Any) -> None:
     serve.add_argument("--graceful-timeout", type=_seconds, default=30.0,
                        help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted "
                             "(finish_reason \"abort\")")
+    serve.add_argument("--api-key", default=os.environ.get(API_KEY_VARIABLE),
+                       help=f"clients must send 'Authorization: Bearer KEY' on the /v1 routes (default "
+                            f"${API_KEY_VARIABLE}; none: open)")
+    serve.add_argument("--allowed-origins", type=_origins, default=[], metavar="JSON",
+                       help='origins browsers may call from, a JSON list as vLLM takes it: \'["*"]\' or '
+                            '\'["http://localhost:3000"]\' (default: none)')
     add_engine_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -141,7 +160,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     engine = AsyncLLM(engine_args(args))
     try:
-        app = build_app(engine, args.served_model_name, owns_engine=True)  # closed at the app's shutdown
+        app = build_app(engine, args.served_model_name, owns_engine=True,  # closed at the app's shutdown
+                        api_key=args.api_key or None, allowed_origins=args.allowed_origins)
         server = GracefulServer(app, args.host, args.port, args.graceful_timeout)
         print(f"pocketllm serve: {args.model} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         # After the graceful shutdown uvicorn re-raises the signal: SIGINT ends the command with

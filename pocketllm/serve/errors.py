@@ -25,7 +25,8 @@ from ..scheduler.batch_scheduler import QueueFullError
 from .protocol import UnsupportedParameter
 
 logger = logging.getLogger(__name__)
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error",
                429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
 UNION_TAG = re.compile(r"(str|int|float|bool|none|list\[.*|dict\[.*|function-.*)$")
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))

@@ -27,13 +27,15 @@ MODEL = "tiny"
 
 
 @contextlib.contextmanager
-def running_server(engine: AsyncLLM, name: str = MODEL, graceful_timeout: float = 5) -> Iterator[str]:
-    """The server's base URL while it runs, as `pocketllm serve` runs it; stopped on leaving (what
-    still runs after `graceful_timeout` seconds is aborted)."""
+def running_server(engine: AsyncLLM, name: str = MODEL, graceful_timeout: float = 5,
+                   **app_options: Any) -> Iterator[str]:
+    """The server's base URL while it runs, as `pocketllm serve` runs it (`app_options`: more of
+    build_app's); stopped on leaving (what still runs after `graceful_timeout` seconds is aborted)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = GracefulServer(build_app(engine, name), "127.0.0.1", port, graceful_timeout, log_level="warning")
+    app = build_app(engine, name, **app_options)
+    server = GracefulServer(app, "127.0.0.1", port, graceful_timeout, log_level="warning")
     thread = threading.Thread(target=server.run, name="pocketllm-test-server", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

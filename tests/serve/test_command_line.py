@@ -35,6 +35,8 @@ def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
     (["--port", "http"], ["--port", "1..65535", "http"]),
     (["--graceful-timeout", "-1"], ["--graceful-timeout", ">= 0"]),
     (["--graceful-timeout", "inf"], ["--graceful-timeout", ">= 0"]),
+    (["--allowed-origins", "*"], ["--allowed-origins", "JSON list of origins", "'*'"]),
+    (["--allowed-origins", '["*", 3]'], ["--allowed-origins", "JSON list of origins"]),
 ])
 def test_a_bad_option_is_one_line_and_status_2(serve_checkpoint, no_engine, capsys, args, words):
     with pytest.raises(SystemExit) as exit_:
