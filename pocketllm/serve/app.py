@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import Response
 
 from ..async_llm import AsyncLLM
 from .access import allow_origins, require_api_key
 from .chat import chat_prompt, create_chat_completion
 from .completions import create_completion
 from .errors import APIError, install_handlers
+from .metrics import metrics_registry, metrics_response
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .state import ServerState
 
@@ -80,9 +80,11 @@ def build_app(engine: AsyncLLM, model_name: str | None = None, owns_engine: bool
     async def tokenizer_info() -> dict[str, Any]:
         return state.tokenizer_info()
 
+    registry = metrics_registry(state)
+
     @app.get("/metrics")
     async def metrics(format: str = "prometheus") -> Response:
-        return _metrics(state, format)
+        return metrics_response(state, registry, format)
 
     return app
 
@@ -94,19 +96,6 @@ def _detokenize(state: ServerState, req: DetokenizeRequest) -> dict[str, Any]:
     if bad is not None:
         raise APIError(400, f"tokens: {bad} is outside the vocabulary [0, {vocab})", "tokens")
     return {"prompt": state.decode(req.tokens)}
-
-
-def _metrics(state: ServerState, format: str) -> Response:
-    """The scheduler's counters and the free slots: Prometheus text, or JSON."""
-    if format not in ("prometheus", "json"):
-        raise APIError(400, f"format must be 'prometheus' or 'json', got {format!r}", "format")
-    engine = state.engine
-    stats = engine.scheduler.get_stats()
-    values = {**dataclasses.asdict(stats), "tokens_per_s": stats.tokens_per_s, "free_slots": engine.llm.slots.num_free}
-    if format == "json":
-        return JSONResponse(values)
-    lines = [f"pocketllm_{name} {float(value)!r}" for name, value in values.items()]
-    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
 
 def _tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import pytest
 
 from pocketllm import SamplingParams
 
-from .conftest import MAX_SEQ_LEN, MODEL, ids_of
+from .conftest import MAX_BATCH, MAX_SEQ_LEN, MODEL, ids_of
 
 AS_IDS = {"return_tokens_as_token_ids": True}
 PROMPTS = [[1, 2, 3, 4], [200, 17, 99], [5] * 40]
@@ -125,10 +125,17 @@ def test_models_health_tokenize_metrics(client, base_url, serial):
     chat = httpx.post(f"{base_url}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
     assert chat["tokens"] == serial.chat_prompt([{"role": "user", "content": "Hi"}])
     assert httpx.post(f"{base_url}/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "héllo"}
-    text = httpx.get(f"{base_url}/metrics").text
-    assert "pocketllm_generated_tokens " in text and "pocketllm_free_slots " in text
+    scrape = httpx.get(f"{base_url}/metrics")
     stats = httpx.get(f"{base_url}/metrics", params={"format": "json"}).json()
-    assert stats["finished"] >= 1
+    assert stats["finished"] >= 1 and scrape.headers["content-type"].startswith("text/plain; version=")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(scrape.text)}
+    generated, free = families["pocketllm_generated_tokens"], families["pocketllm_free_slots"]
+    assert generated.type == "counter" and generated.samples[0].name == "pocketllm_generated_tokens_total"
+    assert free.type == "gauge" and free.documentation == "cache slots free"
+    assert generated.samples[0].value >= stats["finished"] and free.samples[0].value <= MAX_BATCH
+    assert all(f.documentation for f in families.values()) and len(families) == len(stats)
 
 
 def test_echo_scores_survive_a_stop_string(client, serial):
