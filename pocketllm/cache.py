@@ -29,6 +29,7 @@ instead of failing deep inside the allocator.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,6 +174,9 @@ class SlotCache:
         # Per slot: position -> copies of its states (one per layer with states) after that many tokens.
         self.prefix_states: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(num_slots)]
         self.end_copy: list[int | None] = [None] * num_slots  # per slot: the position of its `end` copy
+        # States a forward kept inside its prefill pieces, (slot, position) -> a copy being filled
+        # layer by layer (`keep_state`), until the scheduler commits it (`commit_kept`).
+        self.kept: dict[tuple[int, int], list[torch.Tensor | None]] = {}
         self.prefix_state_bytes = sum(s[0].numel() * s.element_size() for s in self._states())  # one copy
 
     @property
@@ -218,6 +222,27 @@ class SlotCache:
                 del copies[previous]
         states = self._slot_states() if position % CHUNK_SIZE else self._states()
         copies[position] = [s[slot].clone() for s in states]
+
+    def keep_state(self, slot: int, position: int, layer: int, kind: str) -> None:
+        """Copy layer `layer`'s conv or recurrent state (`kind`) of `slot`, as it is with `position`
+        positions cached, into the copy kept at that position (called inside a forward, between the
+        pieces of a split recurrent op: models/rounds.py)."""
+        conv_layers = [i for i, c in enumerate(self.conv) if c is not None]
+        index = conv_layers.index(layer) + (len(conv_layers) if kind == "recurrent" else 0)
+        state = (self.conv if kind == "conv" else self.recurrent)[layer]
+        assert state is not None, f"layer {layer} keeps no {kind} state"
+        self.kept.setdefault((slot, position), [None] * len(self._states()))[index] = state[slot].clone()
+
+    def commit_kept(self, slot: int, positions: Sequence[int]) -> None:
+        """The states the last forward kept for `slot` at `positions` become its state copies there."""
+        for position in positions:
+            copy = self.kept.pop((slot, position))
+            assert all(t is not None for t in copy), f"slot {slot}: a layer kept no state at {position}"
+            self.prefix_states[slot][position] = [t for t in copy if t is not None]
+
+    def clear_kept(self) -> None:
+        """Drop what a forward kept and nobody committed (a failed forward's)."""
+        self.kept.clear()
 
     def resume_point(self, slot: int, length: int) -> int:
         """The longest prefix of at most `length` positions slot `slot` can be resumed from: `length`

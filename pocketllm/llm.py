@@ -147,8 +147,7 @@ class LLM:
             raise
 
     def _state_bytes(self, replay: bool = False) -> int:
-        """Bytes of one slot's Gated DeltaNet states, with `replay` their replay buffers too (0 for a
-        model without them)."""
+        """Bytes of one slot's Gated DeltaNet states (`replay`: and replay buffers; 0: none)."""
         states = [s for s in layer_specs(self.model_config) if isinstance(s, RecurrentCacheSpec)]
         return cache_bytes(1, 0, list(states), self.args.torch_dtype, replay)
 
@@ -158,17 +157,18 @@ class LLM:
         engine = self.args.options.engine
         interval = engine.state_snapshot_interval
         reuse = engine.enable_prefix_reuse and (interval > 0 or not self._state_bytes())
-        return PrefillPolicy(engine.max_num_batched_tokens, engine.prefill_chunk_size, interval, reuse)
+        return PrefillPolicy(engine.max_num_batched_tokens, engine.prefill_chunk_size, interval, reuse,
+                             engine.fine_snapshot_until)
 
     def _snapshot_bytes_per_slot(self) -> int:
-        """The most one slot's state copies can take: one per snapshot position below max_seq_len,
-        and with exact positions one where its last tenant ended, with the replay buffers."""
+        """The most one slot's state copies take: one per kept position below max_seq_len (with exact
+        positions the fine ones too), and one where its last tenant ended."""
         batched = self.args.options.engine.enable_batching  # the serial path reuses nothing
-        interval = self.policy.snapshot_interval if self.policy.prefix_reuse and batched else 0
-        if not interval:
+        if not (self.policy.snapshot_interval and self.policy.prefix_reuse and batched):
             return 0
-        grid = (self.args.max_seq_len - 1) // interval * self._state_bytes()
-        return grid + (self._state_bytes(self._replay_buffers(self._op_table())) if self._exact_requested() else 0)
+        exact = self._exact_requested()
+        end = self._state_bytes(self._replay_buffers(self._op_table())) if exact else 0
+        return self.policy.kept_positions(self.args.max_seq_len - 1, exact) * self._state_bytes() + end
 
     def _op_table(self) -> Ops:
         return op_table(self.args)

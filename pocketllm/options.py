@@ -56,6 +56,11 @@ class EngineOptions:
                                                 "is reused from; hybrid models keep each slot's Gated DeltaNet "
                                                 "states there (memory per slot in capabilities). 0: reuse at "
                                                 "chunk boundaries, none on hybrid models", 0, 1 << 20, POSITION_GRID)
+    fine_snapshot_until: int = _option(512, "hybrid models with exact positions also keep each slot's Gated "
+                                            "DeltaNet states every 64 positions up to this one, inside prefill "
+                                            "pieces (no cut), so a shared prefix under it is reused to within 64 "
+                                            "tokens (memory per slot in capabilities); 0: off", 0, 1 << 20,
+                                       POSITION_GRID)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,9 @@ class SequenceInput:
     """New tokens of one sequence: `start` tokens of it are already in slot `slot`. `decode`: one
     token through the decode ops; otherwise a prefill piece. `sample`: whether a token is sampled
     after it (not for a prefill piece that ends inside the prompt). `targets`: the tokens its first
-    rows are scored against (row i: the token after token_ids[i]; empty: nothing is scored)."""
+    rows are scored against (row i: the token after token_ids[i]; empty: nothing is scored).
+    `keeps`: positions inside a prefill piece where the slot's recurrent states are kept on the way
+    (`SlotCache.keep_state`), for prefix reuse."""
 
     slot: int
     start: int
@@ -35,6 +37,7 @@ class SequenceInput:
     decode: bool = False
     sample: bool = True
     targets: list[int] = field(default_factory=list)
+    keeps: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -95,12 +98,13 @@ class ModelRunner:
         sampler on the sampling rows and the scoring op on the rest."""
         slots, starts, tokens, kinds = [s.slot for s in seqs], [s.start for s in seqs], [s.token_ids for s in seqs], \
             [s.decode for s in seqs]
-        samples, scores = [s.sample for s in seqs], [len(s.targets) for s in seqs]
-        batch = ForwardBatch.build(slots, starts, tokens, kinds, self.device, samples, scores)
+        samples, scores, keeps = [s.sample for s in seqs], [len(s.targets) for s in seqs], [s.keeps for s in seqs]
+        batch = ForwardBatch.build(slots, starts, tokens, kinds, self.device, samples, scores, keeps)
+        self.cache.clear_kept()  # what a failed forward kept on the way is never committed
         if self.workers is None:
             logits = self.model.forward(batch, self.cache)
         else:
-            self.workers.send(["forward", slots, starts, tokens, kinds, samples, scores])
+            self.workers.send(["forward", slots, starts, tokens, kinds, samples, scores, keeps])
             try:
                 logits = self.model.forward(batch, self.cache)
             except Exception as exc:  # a worker died, or this rank left the others inside a collective

@@ -100,8 +100,9 @@ def _serve(tp: TensorParallel, model: Any, cache: SlotCache, device: torch.devic
         if name == "stop":
             return
         if name == "forward":
-            slots, starts, tokens, kinds, sampled, scored = payload
-            model.forward(ForwardBatch.build(slots, starts, tokens, kinds, device, sampled, scored), cache)
+            slots, starts, tokens, kinds, sampled, scored, keeps = payload
+            cache.clear_kept()
+            model.forward(ForwardBatch.build(slots, starts, tokens, kinds, device, sampled, scored, keeps), cache)
         elif name == "snapshot_states":
             snapshot = cache.snapshot_states(*payload)
         elif name == "restore_states":
@@ -114,7 +115,7 @@ def _serve(tp: TensorParallel, model: Any, cache: SlotCache, device: torch.devic
             cache.swap_in(slot, swaps.pop(handle))
         elif name == "drop_swap":
             swaps.pop(payload[0], None)
-        elif name in ("reset", "forget", "save_prefix_state", "copy_prefix"):
+        elif name in ("reset", "forget", "save_prefix_state", "copy_prefix", "commit_kept"):
             getattr(cache, name)(*payload)
         else:
             raise ValueError(f"unknown command {name!r}")
@@ -250,6 +251,10 @@ class ParallelCache(SlotCache):
     def copy_prefix(self, source: int, target: int, length: int) -> None:
         super().copy_prefix(source, target, length)
         self.workers.send(["copy_prefix", source, target, length])
+
+    def commit_kept(self, slot: int, positions: Sequence[int]) -> None:
+        super().commit_kept(slot, positions)
+        self.workers.send(["commit_kept", slot, list(positions)])
 
     def swap_bytes(self, length: int) -> int:
         return super().swap_bytes(length) * self.workers.size

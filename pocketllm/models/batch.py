@@ -49,6 +49,7 @@ class ForwardBatch:
     num_decode: int
     decode: DecodeRows | None  # None when the batch has no decode sequence
     prefill: PrefillRows | None  # None when the batch has no prefill piece
+    keeps: tuple[tuple[int, ...], ...] = ()  # per sequence: positions inside it where recurrent states are kept
 
     @property
     def is_decode(self) -> bool:
@@ -58,10 +59,11 @@ class ForwardBatch:
     @classmethod
     def build(cls, slots: list[int], starts: list[int], new_tokens: list[list[int]], is_decode: bool | list[bool],
               device: torch.device | str, sampled: list[bool] | None = None,
-              scored: list[int] | None = None) -> ForwardBatch:
+              scored: list[int] | None = None, keeps: list[tuple[int, ...]] | None = None) -> ForwardBatch:
         """`is_decode`: one flag for the whole batch or one per sequence (decode sequences first,
         one token each). `sampled`: which sequences need their last row's logits (default: all);
-        `scored`: how many of its first rows each sequence scores (default: none)."""
+        `scored`: how many of its first rows each sequence scores (default: none); `keeps`: per
+        sequence, the positions inside it where its recurrent states are kept (models/rounds.py)."""
         kinds = [is_decode] * len(slots) if isinstance(is_decode, bool) else list(is_decode)
         num_decode = sum(kinds)
         if kinds != [True] * num_decode + [False] * (len(kinds) - num_decode):
@@ -95,6 +97,7 @@ class ForwardBatch:
             num_decode=num_decode,
             decode=decode,
             prefill=prefill,
+            keeps=tuple(tuple(k) for k in keeps) if keeps and any(keeps) else (),
         )
 
 

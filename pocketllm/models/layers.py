@@ -30,6 +30,7 @@ from ..kernels.rope import rope_table
 from ..parallel.group import SINGLE, TensorParallel
 from ..parallel.tree import tree_sum
 from .batch import DecodeRows, ForwardBatch, PrefillRows
+from .rounds import Keep, conv1d_keeping, gated_delta_keeping
 from .row_parallel import RowParallel
 
 Weights = dict[str, torch.Tensor]
@@ -77,17 +78,24 @@ def attention(ops: Ops, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                                               p.cu_seqlens, scale))
 
 
-def conv1d(ops: Ops, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """Depthwise causal conv (with SiLU) continuing each slot's conv state."""
+def conv1d(ops: Ops, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, batch: ForwardBatch,
+           keep: Keep | None = None) -> torch.Tensor:
+    """Depthwise causal conv (with SiLU) continuing each slot's conv state; `keep` copies a slot's
+    state where the batch keeps it inside a piece (rounds.py)."""
+    if batch.keeps and keep is not None:
+        return conv1d_keeping(ops, x, weight, state, batch, keep)
     return _by_kind(batch, lambda d, rows: ops.conv1d_decode(x[rows], weight, state, d.slot_ids),
                     lambda p, rows: ops.conv1d_prefill(x[rows], weight, state, p.slot_ids, p.cu_seqlens))
 
 
 def gated_delta(ops: Ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                state: torch.Tensor, batch: ForwardBatch, replay: torch.Tensor | None = None) -> torch.Tensor:
+                state: torch.Tensor, batch: ForwardBatch, replay: torch.Tensor | None = None,
+                keep: Keep | None = None) -> torch.Tensor:
     """The gated delta rule over each slot's recurrent state. With replay buffers (exact positions)
     every row, decode rows too, goes through the chunked op's exact replay: a position's output is
-    then the same whichever piece or step computes it."""
+    then the same whichever piece or step computes it. `keep`: as conv1d's."""
+    if batch.keeps and keep is not None:
+        return gated_delta_keeping(ops, q, k, v, g, beta, state, batch, replay, keep)
     if replay is not None:
         return ops.gated_delta_prefill(q, k, v, g, beta, state, batch.slot_ids, batch.start_positions,
                                        batch.cu_seqlens, replay)

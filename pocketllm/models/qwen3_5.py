@@ -135,14 +135,16 @@ class DeltaNet:
         key_dim, value_dim, conv_dim = gdn_dims(cfg)
         k_heads, v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         qkv, z, b, a = ops.linear(x, self.in_proj).split([conv_dim, value_dim, v_heads, v_heads], dim=-1)
-        qkv = conv1d(ops, qkv, self.conv, layer_state(cache.conv, layer), batch)
+        keep_conv = lambda slot, position: cache.keep_state(slot, position, layer, "conv")  # noqa: E731
+        qkv = conv1d(ops, qkv, self.conv, layer_state(cache.conv, layer), batch, keep_conv)
         q, k, v = qkv.split([key_dim, key_dim, value_dim], dim=-1)
         q = q.reshape(tokens, k_heads, cfg.linear_key_head_dim)
         k = k.reshape(tokens, k_heads, cfg.linear_key_head_dim)
         v = v.reshape(tokens, v_heads, cfg.linear_value_head_dim)
         beta = elementwise_invariant(torch.sigmoid, b.float())
         g = self.neg_decay_rate * elementwise_invariant(F.softplus, a.float() + self.dt_bias.float())
-        out = gated_delta(ops, q, k, v, g, beta, layer_state(cache.recurrent, layer), batch, cache.replay[layer])
+        keep = lambda slot, position: cache.keep_state(slot, position, layer, "recurrent")  # noqa: E731
+        out = gated_delta(ops, q, k, v, g, beta, layer_state(cache.recurrent, layer), batch, cache.replay[layer], keep)
         out = ops.rms_norm_gated(out, z.reshape(tokens, v_heads, cfg.linear_value_head_dim), self.norm,
                                  cfg.rms_norm_eps)
         return self.out_proj.forward(ops, out.reshape(tokens, value_dim))

@@ -97,10 +97,11 @@ class Planner:
     def _piece(self, request: Request, budget: int) -> SequenceInput | None:
         """The request's next prefill piece within `budget` tokens: its policy piece, cut at the
         budget with `cut_at_budget`; None when it does not fit."""
-        piece = request.prefill_input(self.policy)
+        keep = self.slots.keeps_fine_states
+        piece = request.prefill_input(self.policy, keep=keep)
         if len(piece.token_ids) <= budget:
             return piece
-        return request.prefill_input(self.policy, limit=budget) if self.cut_at_budget and budget > 0 else None
+        return request.prefill_input(self.policy, budget, keep) if self.cut_at_budget and budget > 0 else None
 
     def _fits(self, piece_len: int, budget: int, may_cut: bool = True) -> bool:
         return piece_len <= budget or (self.cut_at_budget and may_cut and budget > 0)
@@ -196,7 +197,7 @@ class Planner:
             if seq.decode:
                 self.slots.decoded(request)
             else:
-                self.slots.prefilled(request)
+                self.slots.prefilled(request, seq.keeps)
         return sampled
 
     def complete(self) -> list[Request]:

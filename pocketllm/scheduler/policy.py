@@ -23,22 +23,24 @@ class PrefillPolicy:
     there (0: reuse at chunk boundaries; a hybrid model then reuses nothing). With both 0 nothing
     is reused (a warm prompt could not run the pieces of its cold run), unless exact positions make
     every cut exact (`reusable(..., any_position=True)`). `max_num_batched_tokens`:
-    tokens one step runs, decode rows included."""
+    tokens one step runs, decode rows included. `fine_snapshot_until`: with exact positions, hybrid
+    models also keep their states every POSITION_GRID positions up to it, inside pieces (`keeps`)."""
 
     # Defaults: the engine's options (their meaning and range are documented there).
     max_num_batched_tokens: int = EngineOptions.max_num_batched_tokens
     chunk_size: int = EngineOptions.prefill_chunk_size
     snapshot_interval: int = EngineOptions.state_snapshot_interval
     prefix_reuse: bool = EngineOptions.enable_prefix_reuse
+    fine_snapshot_until: int = EngineOptions.fine_snapshot_until
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "chunk_size", "snapshot_interval"):
+        for name in ("max_num_batched_tokens", "chunk_size", "snapshot_interval", "fine_snapshot_until"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
         if not isinstance(self.prefix_reuse, bool):
             raise TypeError(f"prefix_reuse must be a bool, got {type(self.prefix_reuse).__name__}")
-        for name in ("chunk_size", "snapshot_interval"):
+        for name in ("chunk_size", "snapshot_interval", "fine_snapshot_until"):
             value = getattr(self, name)
             if value < 0 or value % POSITION_GRID:
                 raise ValueError(f"{name} must be 0 or a positive multiple of {POSITION_GRID}, got {value}")
@@ -61,6 +63,25 @@ class PrefillPolicy:
         """The longest piece a prompt of up to `max_seq_len` tokens can run."""
         steps = [s for s in (self.chunk_size, self.snapshot_interval) if s]
         return min(steps + [max_seq_len])
+
+    def fine_position(self, position: int) -> bool:
+        """Whether a hybrid model with exact positions keeps its states at `position` besides the
+        snapshot grid: every POSITION_GRID positions up to `fine_snapshot_until`."""
+        return 0 < position <= self.fine_snapshot_until and position % POSITION_GRID == 0
+
+    def keeps(self, start: int, end: int) -> tuple[int, ...]:
+        """The fine positions strictly inside the piece [start, end): where its recurrent ops stop
+        to keep the states (the piece's end is kept after it, `SlotManager.prefilled`)."""
+        first = (start // POSITION_GRID + 1) * POSITION_GRID
+        return tuple(p for p in range(first, min(end, self.fine_snapshot_until + 1), POSITION_GRID) if p < end)
+
+    def kept_positions(self, last: int, fine: bool) -> int:
+        """How many positions up to `last` a hybrid model's slot keeps its states at: the snapshot
+        grid, and with `fine` (exact positions) the fine positions."""
+        interval = self.snapshot_interval
+        kept = {p for p in range(POSITION_GRID, last + 1, POSITION_GRID)
+                if (interval and p % interval == 0) or (fine and self.fine_position(p))}
+        return len(kept)
 
     @property
     def reuse_grid(self) -> int:

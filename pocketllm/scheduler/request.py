@@ -169,17 +169,19 @@ class Request:
     def scores_prompt(self) -> bool:
         return self.params.prompt_logprobs is not None
 
-    def prefill_input(self, policy: PrefillPolicy, limit: int | None = None) -> SequenceInput:
+    def prefill_input(self, policy: PrefillPolicy, limit: int | None = None, keep: bool = False) -> SequenceInput:
         """The next piece of `prefill_tokens`, cut where `policy` says (and after `limit` tokens); it
         samples if it ends them, and a scoring request's piece scores each of its prompt rows against
-        the prompt token after it."""
+        the prompt token after it. `keep`: the slot's states are kept at the policy's fine positions
+        inside the piece."""
         start, tokens = self.num_prefilled, self.prefill_tokens
         end = policy.piece_end(start, len(tokens))
         if limit is not None:
             end = min(end, start + limit)
         targets = self.prompt_tokens[start + 1:end + 1] if self.scores_prompt else []
         return SequenceInput(self.assigned_slot, start, tokens[start:end], self.params, self.seed, decode=False,
-                             sample=end == len(tokens), targets=targets)
+                             sample=end == len(tokens), targets=targets,
+                             keeps=policy.keeps(start, end) if keep else ())
 
     def next_input(self, policy: PrefillPolicy) -> SequenceInput:
         """The next prefill piece while they last, then a decode row."""

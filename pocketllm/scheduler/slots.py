@@ -69,6 +69,19 @@ class SlotManager:
         self.swap_reserved = 0  # bytes preempt() set aside for swaps the next step makes
 
     @property
+    def keeps_fine_states(self) -> bool:
+        """Whether prefill pieces keep the slot's states at the policy's fine positions on the way: a
+        hybrid model, with exact positions (a cut anywhere is exact) and prefix reuse."""
+        return self.reuse_decoded and self.cache.has_states and self.policy.prefix_reuse
+
+    def _keeps_at(self, length: int) -> bool:
+        """Whether a slot's states are kept where it holds `length` positions: the snapshot grid,
+        and the fine positions where those are kept."""
+        interval = self.policy.snapshot_interval
+        return bool(interval and length % interval == 0) or \
+            (self.keeps_fine_states and self.policy.fine_position(length))
+
+    @property
     def num_free(self) -> int:
         return len(self._free)
 
@@ -165,23 +178,22 @@ class SlotManager:
         self._unindexed.discard(slot)
         request.slot, request.num_prefilled = slot, 0
 
-    def prefilled(self, request: Request) -> None:
-        """The request's slot now holds its prefill tokens up to `num_prefilled`: keep its states there
-        when that is on the snapshot grid, and index it."""
+    def prefilled(self, request: Request, keeps: Sequence[int] = ()) -> None:
+        """The request's slot now holds its prefill tokens up to `num_prefilled`: keep the states its
+        piece kept on the way (`keeps`) and its states there when that is a kept position, and index it."""
         slot, length = request.assigned_slot, request.num_prefilled
         if slot in self._unindexed:
             return
-        interval = self.policy.snapshot_interval
-        if interval and length % interval == 0:
+        self.cache.commit_kept(slot, keeps)
+        if self._keeps_at(length):
             self.cache.save_prefix_state(slot, length)
         self.index.extend(slot, request.prefill_tokens, length)
 
     def decoded(self, request: Request) -> None:
         """A decode step wrote the request's position num_cached - 1: with `reuse_decoded`, keep its
-        states where that completes the snapshot grid, so a later turn can resume there."""
+        states where that is a kept position, so a later turn can resume there."""
         slot, length = request.assigned_slot, request.num_cached
-        interval = self.policy.snapshot_interval
-        if self.reuse_decoded and interval and length % interval == 0 and slot not in self._unindexed:
+        if self.reuse_decoded and self._keeps_at(length) and slot not in self._unindexed:
             self.cache.save_prefix_state(slot, length)
 
     def release(self, request: Request) -> None:

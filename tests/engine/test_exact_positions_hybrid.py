@@ -16,6 +16,7 @@ decode step one ulp away, make the same checks fail.
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -151,11 +152,11 @@ def _outputs(result) -> tuple:
 
 @GDN_PATHS
 def test_the_next_turn_reuses_the_previous_answer_on_a_hybrid(checkpoint_dir, gdn):
-    """Default snapshot grid (512). Turn 2 extends turn 1's prompt (50 tokens) and answer (40): it
-    resumes from the states kept where turn 1 ended (89 positions: the answer's last token was never
-    fed; off every grid, with the replay rows on the chunked path) and equals its cold run. A prompt
-    that leaves turn 1 after 70 tokens finds no kept state within them (the grid is 512), then, on a
-    grid of 64, resumes from the copy a decode step kept at 64."""
+    """Default options. Turn 2 extends turn 1's prompt (50 tokens) and answer (40): it resumes from
+    the states kept where turn 1 ended (89 positions: the answer's last token was never fed; off
+    every grid, with the replay rows on the chunked path) and equals its cold run. A prompt that
+    leaves turn 1 after 70 tokens resumes from the copy a decode step kept at the fine position 64;
+    with fine_snapshot_until=0 it finds none within them (the snapshot grid is 512)."""
     path = checkpoint_dir("qwen3.5")
     prompt = [(5 * i + 1) % 200 for i in range(50)]
     llm = _engine(path, batched=True, max_batch_size=2, overrides=gdn, exact=None)
@@ -168,12 +169,58 @@ def test_the_next_turn_reuses_the_previous_answer_on_a_hybrid(checkpoint_dir, gd
     cold = _engine(path, overrides=gdn)
     assert _outputs(second) == _outputs(cold.generate(second_prompt, _greedy(5)))
     branch = second_prompt[:70] + [9] * 4
-    llm.generate(branch, _greedy(2))
-    assert stats().prefix_tokens_reused == 89
-    grid = _engine(path, batched=True, max_batch_size=2, overrides=gdn, exact=None, state_snapshot_interval=64)
-    grid.generate(prompt, _greedy(40))
-    assert _outputs(grid.generate(branch, _greedy(3))) == _outputs(cold.generate(branch, _greedy(3)))
-    assert grid.scheduler.get_stats().prefix_tokens_reused == 64
+    assert _outputs(llm.generate(branch, _greedy(3))) == _outputs(cold.generate(branch, _greedy(3)))
+    assert stats().prefix_tokens_reused == 89 + 64
+    coarse = _engine(path, batched=True, max_batch_size=2, overrides=gdn, exact=None, fine_snapshot_until=0)
+    coarse.generate(prompt, _greedy(40))
+    coarse.generate(branch, _greedy(3))
+    assert coarse.scheduler.get_stats().prefix_tokens_reused == 0
+
+
+def _slot_states(llm: LLM, slot: int) -> list:
+    return [s[slot].clone() for s in llm.cache._states()]
+
+
+@GDN_PATHS
+def test_a_piece_keeps_its_states_every_64_positions_without_a_cut(checkpoint_dir, gdn):
+    """A 200-token prompt prefilled in one piece (cut at 512 only) keeps its Gated DeltaNet states at
+    64, 128 and 192, each bitwise the state of a slot that holds exactly that prefix (the pieces of
+    the recurrent ops were split there, nothing else); a prompt sharing 150 of its tokens resumes
+    from 128 and equals its cold run."""
+    path = checkpoint_dir("qwen3.5")
+    prompt = [(7 * i + 2) % 200 for i in range(200)]
+    llm = _engine(path, batched=True, max_batch_size=2, overrides=gdn, exact=None)
+    llm.generate(prompt, _greedy(1))
+    slot = next(s for s in range(2) if llm.slots.held_tokens(s)[:200] == prompt)
+    assert {64, 128, 192} <= set(llm.cache.prefix_states[slot])
+    assert llm.scheduler.get_stats().prefill_chunks == 1
+    reference = _engine(path, batched=True, max_batch_size=1, overrides=gdn, exact=None, enable_prefix_reuse=False)
+    for position in (64, 128, 192):
+        reference.generate(prompt[:position], _greedy(1))  # its slot then holds `position` prompt positions
+        kept = llm.cache.prefix_states[slot][position]
+        assert all(torch.equal(a, b) for a, b in zip(kept, _slot_states(reference, 0)[:len(kept)]))
+    shared = prompt[:150] + [3] * 20
+    before = llm.scheduler.get_stats().prefix_tokens_reused
+    cold = _engine(path, overrides=gdn)
+    assert _outputs(llm.generate(shared, _greedy(4))) == _outputs(cold.generate(shared, _greedy(4)))
+    assert llm.scheduler.get_stats().prefix_tokens_reused - before == 128
+
+
+def test_negative_control_a_state_kept_under_the_wrong_position_is_caught(checkpoint_dir, monkeypatch):
+    """Planted: the states a piece keeps on the way are filed 64 positions later than where they
+    were taken, so the prompt sharing 150 tokens resumes at 128 from the state at 64."""
+    keep_state = SlotCache.keep_state
+    monkeypatch.setattr(SlotCache, "keep_state", lambda cache, slot, position, layer, kind:
+                        keep_state(cache, slot, position + 64, layer, kind))
+    commit = SlotCache.commit_kept
+    monkeypatch.setattr(SlotCache, "commit_kept", lambda cache, slot, positions:
+                        commit(cache, slot, [p + 64 for p in positions]))
+    path = checkpoint_dir("qwen3.5")
+    prompt = [(7 * i + 2) % 200 for i in range(200)]
+    llm = _engine(path, batched=True, max_batch_size=2, exact=None)
+    llm.generate(prompt, _greedy(1))
+    shared = prompt[:150] + [3] * 20
+    assert _outputs(llm.generate(shared, _greedy(4))) != _outputs(_engine(path).generate(shared, _greedy(4)))
 
 
 def _two_follow_ups(path, gdn) -> tuple[list, LLM]:

@@ -19,7 +19,7 @@ def test_none_and_empty_mean_defaults():
                                     "record_timeline": False, "max_num_batched_tokens": 2048,
                                     "prefill_chunk_size": 512, "max_waiting": 0, "max_swap_bytes": 0,
                                     "preemption_mode": "swap", "enable_prefix_reuse": True,
-                                    "state_snapshot_interval": 512, "batch_invariant": True,
+                                    "state_snapshot_interval": 512, "fine_snapshot_until": 512, "batch_invariant": True,
                                     "invariance_probe": True, "decode_per_row": False, "tree_reduction": None,
                                     "exact_positions": None}
 

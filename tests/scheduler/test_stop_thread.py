@@ -141,7 +141,8 @@ background = sys.argv[2] == "1"
 llm = LLM(EngineArgs(model=sys.argv[1], max_seq_len=64, backend_options={
     "enable_batching": True, "max_batch_size": 2, "background_thread": background}))
 s = llm.scheduler
-rid = s.submit_request([1, 2, 3], SamplingParams(max_tokens=1), callback=lambda result: llm.close())
+# ignore_eos: an unseeded sample is EOS one time in 256 here, which would end it "stop"
+rid = s.submit_request([1, 2, 3], SamplingParams(max_tokens=1, ignore_eos=True), callback=lambda result: llm.close())
 if background:
     result = s.poll_result(rid, timeout_ms=None)
 else:
