@@ -79,6 +79,17 @@ def _byte_symbols() -> list[str]:
     return [chr(b) if b in printable else chr(next(shifted)) for b in range(NUM_BYTES)]
 
 
+def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
+    """The bytes a token stands for. A byte-level BPE token's symbols map back to their bytes, so a
+    token inside a multibyte character gives its own bytes (its decoded text alone would be U+FFFD);
+    a token of another vocabulary gives its decoded text as UTF-8."""
+    symbol = tokenizer.id_to_token(token_id) or ""
+    values = {c: b for b, c in enumerate(_byte_symbols())}
+    if symbol and all(c in values for c in symbol):
+        return bytes(values[c] for c in symbol)
+    return str(tokenizer.decode([token_id], skip_special_tokens=False)).encode("utf-8")
+
+
 def byte_level_tokenizer_files(vocab_size: int, eos_token_ids: Sequence[int],
                                model_max_length: int) -> dict[str, dict[str, Any]] | None:
     """tokenizer.json and tokenizer_config.json contents (file name -> JSON) of the byte-level

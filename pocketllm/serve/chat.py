@@ -18,8 +18,9 @@ from .state import ServerState, choice_specs, logprob, new_id, sampling_params, 
 
 
 def _token(state: ServerState, token: int, lp: float, as_ids: bool) -> dict[str, Any]:
-    text = state.token_str(token, as_ids)
-    return {"token": text, "logprob": logprob(lp), "bytes": list(text.encode("utf-8"))}
+    """A token as chat logprobs show it; `bytes` are its own (a token inside a multibyte character
+    included), so a client can join them into the text, as OpenAI's field is for."""
+    return {"token": state.token_str(token, as_ids), "logprob": logprob(lp), "bytes": list(state.token_bytes(token))}
 
 
 def logprobs_content(state: ServerState, deltas: Sequence[TokenDelta], as_ids: bool) -> list[dict[str, Any]]:

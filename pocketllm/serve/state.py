@@ -15,7 +15,7 @@ from ..config import read_json_object
 from ..outputs import TopLogprobs
 from ..sampling import SamplingParams
 from ..scheduler.request import validate_prompt
-from ..tokenizer import TOKENIZER_CONFIG_FILE
+from ..tokenizer import TOKENIZER_CONFIG_FILE, token_bytes
 from .errors import APIError, bad_request
 from .protocol import SamplingFields
 from .runs import ChoiceSpec, InFlight
@@ -104,6 +104,11 @@ class ServerState:
             raise APIError(400, f"{where} must not be an empty string", "prompt")
         with bad_request("prompt", where=where):
             return list(self.engine.llm.prepare(None, text))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (tokenizer.token_bytes), or its shown text's without a tokenizer."""
+        tokenizer = self.engine.llm.tokenizer
+        return f"token_id:{token_id}".encode() if tokenizer is None else token_bytes(tokenizer, token_id)
 
     def token_str(self, token_id: int, as_ids: bool) -> str:
         """A token as logprobs show it: its own text, special tokens included (or "token_id:N")."""

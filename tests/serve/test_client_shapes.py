@@ -77,3 +77,23 @@ def test_chat_template_kwargs_are_the_templates_variables(base_url, engine, monk
     assert usage["prompt_tokens"] == len(tokenizer.encode(off).ids)
     bad = _post(base_url, "/v1/chat/completions", {**chat, "chat_template_kwargs": {"messages": []}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_chat_logprob_bytes_are_each_tokens_own(base_url, serial):
+    """`bytes` of each chat logprob token are that token's bytes, so a token inside a multibyte
+    character gives its byte, not U+FFFD's three: joined, a reply's bytes decode to the reply's
+    text, and the alternatives' bytes are their tokens' too. A random-weight model over a byte-level
+    vocabulary emits such partial characters; the sampled sequence is checked to have some."""
+    body = {"messages": MESSAGES, "max_tokens": 48, "temperature": 1.0, "seed": 11, "logprobs": True,
+            "top_logprobs": 2}
+    out = _post(base_url, "/v1/chat/completions", body).json()["choices"][0]
+    content = out["logprobs"]["content"]
+    joined = b"".join(bytes(entry["bytes"]) for entry in content)
+    ids = [int(t["token"].removeprefix("token_id:")) for t in _post(
+        base_url, "/v1/chat/completions", {**body, "return_tokens_as_token_ids": True}).json()["choices"][0]
+        ["logprobs"]["content"]]
+    assert joined.decode("utf-8", errors="replace") == serial.tokenizer.decode(ids, skip_special_tokens=False)
+    assert any(entry["token"] == "\ufffd" and len(entry["bytes"]) == 1 for entry in content)
+    for entry in content:
+        for alt in entry["top_logprobs"]:
+            assert len(alt["bytes"]) >= 1 and (alt["token"] == "\ufffd" or bytes(alt["bytes"]).decode() == alt["token"])
