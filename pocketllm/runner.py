@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import SlotCache
+from .logits_processors import TokenHistory, process_row
 from .models import ForwardBatch, Model
 from .sampling import SamplingParams
 from .workers import Workers
@@ -27,7 +28,8 @@ class SequenceInput:
     after it (not for a prefill piece that ends inside the prompt). `targets`: the tokens its first
     rows are scored against (row i: the token after token_ids[i]; empty: nothing is scored).
     `keeps`: positions inside a prefill piece where the slot's recurrent states are kept on the way
-    (`SlotCache.keep_state`), for prefix reuse."""
+    (`SlotCache.keep_state`), for prefix reuse. `history`: the request's tokens, which a sequence that
+    samples needs when its params set a logits control (`SamplingParams.controls_logits`)."""
 
     slot: int
     start: int
@@ -38,6 +40,7 @@ class SequenceInput:
     sample: bool = True
     targets: list[int] = field(default_factory=list)
     keeps: tuple[int, ...] = ()
+    history: TokenHistory | None = None
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,9 @@ class ModelRunner:
             for s, rows_of, row in zip(seqs, scored, sample_rows)]
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[SequenceInput, int]]) -> dict[int, tuple[int, float]]:
-        """logit row -> (token, logprob) sampled there, for each (sequence, row) of `rows`."""
+        """logit row -> (token, logprob) sampled there, for each (sequence, row) of `rows`. A sequence
+        whose params set logits controls samples from its row as they change it (`process_row`, row by
+        row) and reports the raw logprob, as the scoring op computes it."""
         if not rows:
             return {}
         seqs = [s for s, _ in rows]
@@ -139,14 +144,26 @@ class ModelRunner:
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)
 
+        raw = logits[column([row for _, row in rows], torch.int64)]
+        controlled = [i for i, s in enumerate(seqs) if s.params.controls_logits]
+        picked = raw.clone() if controlled else raw
+        for i in controlled:
+            history = seqs[i].history
+            if history is None:
+                raise ValueError("a sequence whose params set logits controls needs its history (TokenHistory)")
+            picked[i] = process_row(raw[i], seqs[i].params, history)
         tokens, logprobs = self.model.ops.sample(
-            logits[column([row for _, row in rows], torch.int64)],
+            picked,
             column([0.0 if s.params.greedy else float(s.params.temperature) for s in seqs], torch.float32),
             column([s.params.top_k for s in seqs], torch.int64),
             column([float(s.params.top_p) for s in seqs], torch.float32),
             column([_as_int64(s.seed) for s in seqs], torch.int64),
             column([s.start + len(s.token_ids) for s in seqs], torch.int64),
         )
+        if controlled:  # their logprobs are the raw distribution's (vLLM's default, "raw_logprobs")
+            at = column(controlled, torch.int64)
+            logprobs = logprobs.clone()
+            logprobs[at] = self.model.ops.logprobs(raw[at], tokens[at].clamp(0, logits.shape[-1] - 1), 0)[0]
         valid = torch.isfinite(logprobs) & (tokens >= 0) & (tokens < logits.shape[-1])
         if not bool(valid.all()):
             raise NonFiniteOutputError(f"the sampler returned a non-finite logprob or a token outside the vocabulary "

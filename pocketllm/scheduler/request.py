@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..cache import SwappedSlot
+from ..logits_processors import TokenHistory
 from ..outputs import FinishReason, GenerationResult
 from ..runner import SequenceInput, SequenceOutput, TokenLogprob
 from ..sampling import SamplingParams
@@ -65,9 +66,10 @@ def validate_prompt(prompt_tokens: Sequence[int], params: SamplingParams, vocab_
     for i, token in enumerate(prompt):
         if not 0 <= token < vocab_size:
             raise ValueError(f"prompt_tokens[{i}]={token} is outside the vocabulary [0, {vocab_size})")
-    for token in params.stop_token_ids:
+    named = [("stop_token_ids", token) for token in params.stop_token_ids] + params.control_token_ids()
+    for name, token in named:
         if token >= vocab_size:
-            raise ValueError(f"stop_token_ids entry {token} is outside the vocabulary [0, {vocab_size})")
+            raise ValueError(f"{name} entry {token} is outside the vocabulary [0, {vocab_size})")
     if len(prompt) + params.max_tokens > max_seq_len:
         raise ValueError(
             f"prompt length {len(prompt)} + max_tokens {params.max_tokens} exceeds max_seq_len {max_seq_len}"
@@ -179,9 +181,10 @@ class Request:
         if limit is not None:
             end = min(end, start + limit)
         targets = self.prompt_tokens[start + 1:end + 1] if self.scores_prompt else []
+        sample = end == len(tokens)
         return SequenceInput(self.assigned_slot, start, tokens[start:end], self.params, self.seed, decode=False,
-                             sample=end == len(tokens), targets=targets,
-                             keeps=policy.keeps(start, end) if keep else ())
+                             sample=sample, targets=targets, keeps=policy.keeps(start, end) if keep else (),
+                             history=self.history() if sample else None)
 
     def next_input(self, policy: PrefillPolicy) -> SequenceInput:
         """The next prefill piece while they last, then a decode row."""
@@ -189,7 +192,20 @@ class Request:
 
     def decode_input(self) -> SequenceInput:
         return SequenceInput(self.assigned_slot, self.num_cached, [self.token_ids[-1]], self.params, self.seed,
-                             decode=True)
+                             decode=True, history=self.history())
+
+    def history(self) -> TokenHistory | None:
+        """What its logits controls read when it samples next (None when it sets none): the live
+        token lists, which grow only after the forward."""
+        if not self.params.controls_logits:
+            return None
+        return TokenHistory(self.prompt_tokens, self.token_ids, self.stop_ids)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The tokens that stop it: stop_token_ids, and EOS unless ignore_eos."""
+        params = self.params
+        return params.stop_token_ids if params.ignore_eos else params.stop_token_ids + self.eos_token_ids
 
     def advance(self, seq: SequenceInput, output: SequenceOutput) -> None:
         """Record a forward of `seq` that succeeded: the prompt advanced (its scores kept), a token
@@ -215,9 +231,7 @@ class Request:
         self.token_ids.append(token)
         self.logprobs.append(sampled.logprob)
         self.top_logprobs.append(sampled.top)
-        params = self.params
-        stops = params.stop_token_ids if params.ignore_eos else params.stop_token_ids + self.eos_token_ids
-        if token in stops:
+        if token in self.stop_ids:
             self.finish("stop")
         elif len(self.token_ids) >= self.params.max_tokens:
             self.finish("length")
