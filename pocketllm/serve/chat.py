@@ -62,7 +62,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     top = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens, tokens_field = _max_tokens(req, len(prompt), state.max_seq_len)
     params = sampling_params(req, max_tokens, top, None,
-                             {"logprobs": "top_logprobs", "max_tokens": tokens_field or "max_tokens"})
+                             {"logprobs": "top_logprobs", "max_tokens": tokens_field or "max_tokens"},
+                             state.bad_words(req.bad_words))
     state.check_prompts([prompt], params, "messages", tokens_field)
     specs = choice_specs([prompt], req, [params], stops)
     try:

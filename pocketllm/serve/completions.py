@@ -83,7 +83,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     scoring = req.echo and req.logprobs is not None
     max_tokens = 1 if prompt_only else 16 if req.max_tokens is None else req.max_tokens
     params = sampling_params(req, max_tokens, req.logprobs, req.logprobs if scoring else None,
-                             {"prompt_logprobs": "logprobs"})
+                             {"prompt_logprobs": "logprobs"}, state.bad_words(req.bad_words))
     state.check_prompts(prompts, params, "prompt", None if req.max_tokens is None else "max_tokens")
     specs = choice_specs(prompts, req, [params] * len(prompts), stops)
     echoes = [text if text is not None else state.decode(p) for p, text in zip(prompts, texts)] if req.echo else None

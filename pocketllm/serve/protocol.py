@@ -16,8 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # field -> the value that means "off": anything else is refused with a 400 naming the field.
 REFUSED: dict[str, Any] = {
-    "best_of": None, "logit_bias": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0, "suffix": None, "use_beam_search": False,
+    "best_of": None, "suffix": None, "use_beam_search": False,
     "length_penalty": 1.0, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
     "response_format": None,
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None}
@@ -60,14 +59,17 @@ class SamplingFields(StrictModel):
     metadata: dict[str, str] | None = None
     reasoning_effort: str | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's extra field: tokens as "token_id:N"
-    # Refused unless at their neutral value (REFUSED).
-    best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
+    # The logits controls (SamplingParams checks their ranges): OpenAI's, then vLLM's extra fields.
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None  # text, tokenized as vLLM does (ServerState.bad_words)
+    # Refused unless at their neutral value (REFUSED).
+    best_of: int | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
     guided_json: Any = None

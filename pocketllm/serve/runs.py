@@ -61,12 +61,18 @@ class StopText:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops, self.text, self.sent = tuple(stops), "", 0
         self._hold = max((len(s) for s in stops), default=1) - 1
+        self._unchecked = 0  # the text fed with check=False: a stop string must end after it
 
-    def feed(self, piece: str) -> tuple[str, bool]:
-        """The text now safe to hand out, and whether a stop string ended the choice."""
+    def feed(self, piece: str, check: bool = True) -> tuple[str, bool]:
+        """The text now safe to hand out, and whether a stop string ended the choice. `check`: False
+        while min_tokens is not reached (as vLLM, a stop string then counts only if it ends later)."""
         start = max(0, self.sent - self._hold)
         self.text += piece
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if not check:
+            self._unchecked = len(self.text)
+            return self._release(max(self.sent, len(self.text) - self._hold)), False
+        hits = [i for i in (self.text.find(s, max(start, self._unchecked - len(s) + 1)) for s in self.stops)
+                if i >= 0]
         if hits:
             self.text = self.text[:min(hits)]
             return self._release(len(self.text)), True
@@ -101,8 +107,8 @@ class ChoiceRun:
                 self.result, self.finish = item, self._reason(item)
                 yield Piece(self.spec.index, [], checker.flush(), self.finish)
                 return
-            text, stopped = checker.feed(item.text or "")
             self.deltas.append(item)
+            text, stopped = checker.feed(item.text or "", len(self.deltas) >= self.spec.params.min_tokens)
             if stopped:
                 self.finish = "stop"
                 yield Piece(self.spec.index, [item], text, "stop")

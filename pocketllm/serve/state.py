@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -20,6 +21,8 @@ from .errors import APIError, bad_request
 from .protocol import SamplingFields
 from .runs import ChoiceSpec, InFlight
 
+# SamplingParams fields the request names otherwise.
+CONTROL_RENAMES = {"bad_words_token_ids": "bad_words"}
 # JSON has no -inf; like vLLM, a logprob of -inf is reported as this.
 MIN_LOGPROB = -9999.0
 MAX_SEED = 2**64
@@ -75,8 +78,29 @@ class ServerState:
             if tokens_field is not None and 0 < room < params.max_tokens:
                 raise APIError(400, f"{tokens_field} must be at most {room} here ({where} has {len(prompt)} tokens, "
                                     f"max_seq_len is {self.max_seq_len}), got {params.max_tokens}", tokens_field)
-            with bad_request(prompt_field, where=where):
+            with bad_request(prompt_field, CONTROL_RENAMES, where=where):
                 validate_prompt(prompt, params, vocab_size, self.max_seq_len)
+
+    def bad_words(self, words: list[str] | None) -> tuple[tuple[int, ...], ...]:
+        """`bad_words` as token id sequences, as vLLM tokenizes them: each word (leading spaces
+        stripped) alone, and after a space too where that gives a different first token and as many
+        tokens (the word inside a text); a 400 naming `bad_words` without a tokenizer or for a blank word."""
+        if not words:
+            return ()
+        tokenizer = self.engine.llm.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "bad_words needs the model's tokenizer (tokenizer.json); this model has none",
+                           "bad_words")
+        sequences: list[tuple[int, ...]] = []
+        for word in words:
+            alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False).ids)
+            if not word.strip() or not alone:
+                raise APIError(400, f"bad_words must not contain a blank string, got {word!r}", "bad_words")
+            spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False).ids)
+            sequences.append(alone)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                sequences.append(spaced)
+        return tuple(sequences)
 
     def tokenizer_info(self) -> dict[str, Any]:
         """vLLM's /tokenizer_info: the checkpoint's tokenizer_config.json (file paths left out), its
@@ -125,16 +149,28 @@ class ServerState:
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
-                    renames: dict[str, str]) -> SamplingParams:
-    """The request's SamplingParams; a bad value is a 400 naming the request's field."""
+                    renames: dict[str, str], bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
+    """The request's SamplingParams (`bad_words`: its bad words as token ids, ServerState.bad_words);
+    a bad value is a 400 naming the request's field."""
     top_k = 0 if req.top_k == -1 else req.top_k  # vLLM's "off"
     seed = req.seed
     if seed is not None and -(2**63) <= seed < 0:  # OpenAI's seed is an int64: a negative one is its bit pattern
         seed += MAX_SEED
-    with bad_request("sampling", renames):
+    bias = None
+    if req.logit_bias is not None:
+        keys = [key for key in req.logit_bias if not re.fullmatch(r"-?[0-9]+", key.strip())]
+        if keys:
+            raise APIError(400, f"logit_bias keys must be token ids (integer strings), got {keys[0]!r}", "logit_bias")
+        bias = {int(key): value for key, value in req.logit_bias.items()}
+    with bad_request("sampling", {**CONTROL_RENAMES, **renames}):
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=top_k,
                               seed=seed, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                              logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                              repetition_penalty=req.repetition_penalty, logit_bias=bias, min_p=req.min_p,
+                              min_tokens=req.min_tokens,
+                              allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
+                              bad_words_token_ids=bad_words)
 
 
 def choice_specs(prompts: Sequence[list[int]], req: SamplingFields, params: Sequence[SamplingParams],
