@@ -11,7 +11,7 @@ from .outputs import GenerationResult
 from .sampling import SamplingParams
 from .scheduler.batch_scheduler import QueueFullError, SwapSpaceError
 from .scheduler.stream import TokenDelta
+from .version import __version__
 
 __all__ = ["LLM", "AsyncLLM", "Capabilities", "EngineArgs", "GenerationResult", "ModelConfig", "QueueFullError",
-           "SamplingParams", "SwapSpaceError", "TokenDelta", "write_checkpoint"]
-__version__ = "0.1.0"
+           "SamplingParams", "SwapSpaceError", "TokenDelta", "__version__", "write_checkpoint"]

@@ -10,6 +10,9 @@ event loop closing under it.
         async for delta in engine.stream([1, 2, 3], SamplingParams(max_tokens=8)):
             ...                                     # TokenDelta per token, then the GenerationResult
         result = await engine.generate(prompt="Hello", sampling_params=SamplingParams(max_tokens=8))
+        queued = await engine.submit([1, 2, 3], SamplingParams(max_tokens=8))  # queued, no token yet
+        async for item in queued.items:
+            ...
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import dataclasses
 import functools
 import weakref
 from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import cast
 
 from .config import EngineArgs
 from .llm import LLM
@@ -30,6 +34,14 @@ from .scheduler.stream import TokenDelta
 from .scheduler.waits import deadline
 
 StreamItem = TokenDelta | GenerationResult
+
+
+@dataclasses.dataclass(frozen=True)
+class Submission:
+    """A request `AsyncLLM.submit` queued: its id and the iteration of its items (see `stream`)."""
+
+    request_id: int
+    items: AsyncGenerator[StreamItem, None]
 
 
 class AsyncStream:
@@ -98,12 +110,26 @@ class AsyncLLM:
         meanwhile."""
         wait_ms = _wait_ms(wait_s)
         tokens = self.llm.prepare(prompt_tokens, prompt)
-        return AsyncStream(functools.partial(self._items, tokens, sampling_params, priority, wait_ms))
+        items = functools.partial(self._items, tokens, sampling_params, priority, wait_ms, False)
+        return AsyncStream(cast("Callable[[], AsyncGenerator[StreamItem, None]]", items))
+
+    async def submit(self, prompt_tokens: Sequence[int] | None = None, sampling_params: SamplingParams | None = None,
+                     *, prompt: str | None = None, priority: int = 0, wait_s: float | None = 0.0) -> Submission:
+        """`stream`'s request, submitted before this returns, without waiting for its first token: bad
+        input and QueueFullError raise here. Iterating the submission's `items` gives the deltas and
+        the result; closing them (`aclose()`, or letting go of them) cancels an unfinished request."""
+        wait_ms = _wait_ms(wait_s)
+        tokens = self.llm.prepare(prompt_tokens, prompt)
+        items = self._items(tokens, sampling_params, priority, wait_ms, True)
+        request_id = await anext(items)  # the generator now waits for the first token
+        assert isinstance(request_id, int)
+        return Submission(request_id, cast("AsyncGenerator[StreamItem, None]", items))
 
     async def _items(self, tokens: Sequence[int], sampling_params: SamplingParams | None, priority: int,
-                     wait_ms: float | None) -> AsyncGenerator[StreamItem, None]:
-        """The request's deltas and result, submitted on the first `anext()`; closing the generator
-        before the result cancels the request."""
+                     wait_ms: float | None, announce: bool) -> AsyncGenerator[StreamItem | int, None]:
+        """The request's deltas and result, submitted on the first `anext()` (which, with
+        `announce`, returns the request's id once it is submitted); closing the generator before
+        the result cancels the request."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         scheduler = self.scheduler
@@ -131,6 +157,8 @@ class AsyncLLM:
         request_id = await self._submit(submit, wait_ms)
         ended = False
         try:
+            if announce:
+                yield request_id
             while not ended:
                 item = await queue.get()
                 ended = isinstance(item, GenerationResult)

@@ -30,11 +30,14 @@ logger = logging.getLogger("pocketllm.scheduler.batch_scheduler")
 
 def token_delta(request: Request, index: int) -> TokenDelta:
     """Token `index` of `request`, as sampled (without text), with its top-k alternatives when
-    asked for, in the result's type. Lock held."""
+    asked for, in the result's type; token 0 with the prompt's logprobs when it scores its prompt.
+    Lock held."""
     last = index == len(request.token_ids) - 1 and request.finish_reason in ("stop", "length")
     top = None if request.params.logprobs is None else list(request.top_logprobs[index])
+    first = index == 0
     return TokenDelta(request.request_id, index, request.token_ids[index], request.logprobs[index], last=last,
-                      top_logprobs=top)
+                      top_logprobs=top, prompt_logprobs=request.prompt_logprobs() if first else None,
+                      prompt_top_logprobs=request.prompt_top_logprobs() if first else None)
 
 
 class Delivery:

@@ -14,7 +14,7 @@ import torch
 
 from ..cache import SwappedSlot
 from ..logits_processors import TokenHistory
-from ..outputs import FinishReason, GenerationResult
+from ..outputs import FinishReason, GenerationResult, TopLogprobs
 from ..runner import SequenceInput, SequenceOutput, TokenLogprob
 from ..sampling import SamplingParams
 from .policy import PrefillPolicy
@@ -264,7 +264,15 @@ class Request:
             total_time_s=None if self.finish_time is None else self.finish_time - self.submit_time,
             text=self.text,
             top_logprobs=None if params.logprobs is None else [list(top) for top in self.top_logprobs],
-            prompt_logprobs=None if not self.scores_prompt else [None] + [s.logprob for s in self.prompt_scores],
-            prompt_top_logprobs=None if not params.prompt_logprobs else
-            [None] + [list(s.top) for s in self.prompt_scores],
+            prompt_logprobs=self.prompt_logprobs(),
+            prompt_top_logprobs=self.prompt_top_logprobs(),
         )
+
+    def prompt_logprobs(self) -> list[float | None] | None:
+        """The prompt's logprobs as results and token 0's delta give them (None for the first
+        token), or None when it does not score its prompt."""
+        return None if not self.scores_prompt else [None] + [s.logprob for s in self.prompt_scores]
+
+    def prompt_top_logprobs(self) -> list[TopLogprobs | None] | None:
+        """Each prompt position's best tokens (`prompt_logprobs` >= 1), as `prompt_logprobs`."""
+        return None if not self.params.prompt_logprobs else [None] + [list(s.top) for s in self.prompt_scores]

@@ -28,7 +28,10 @@ class TokenDelta:
     (None without a tokenizer; "" while a character is incomplete). `last`: the request finished
     with this token (it stopped or reached max_tokens). `top_logprobs`: with
     `SamplingParams.logprobs=k`, the k best tokens at this position, the entry the result's
-    `top_logprobs` holds for it (None otherwise), so a streaming client needs no final result."""
+    `top_logprobs` holds for it (None otherwise), so a streaming client needs no final result.
+    `prompt_logprobs` / `prompt_top_logprobs`: on token 0 of a request that scores its prompt
+    (`SamplingParams.prompt_logprobs`), the result's: the prompt is scored by the time its first
+    token is sampled (None otherwise)."""
 
     request_id: int
     index: int
@@ -37,6 +40,8 @@ class TokenDelta:
     text: str | None = None
     last: bool = False
     top_logprobs: TopLogprobs | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[TopLogprobs | None] | None = None
 
 
 class TextDeltas:

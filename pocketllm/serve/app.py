@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from ..async_llm import AsyncLLM
+from ..version import __version__
 from .access import allow_origins, require_api_key
 from .chat import chat_prompt, create_chat_completion
 from .completions import create_completion
@@ -42,7 +43,7 @@ def build_app(engine: AsyncLLM, model_name: str | None = None, owns_engine: bool
             await asyncio.to_thread(engine.close)
             logger.info("pocketllm: engine stopped, %d slots free", engine.llm.slots.num_free)
 
-    app = FastAPI(title="pocketllm", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="pocketllm", version=__version__, lifespan=lifespan)
     app.state.pocketllm = state
     install_handlers(app)
     if api_key is not None:

@@ -68,7 +68,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     specs = choice_specs([prompt], req, [params], stops)
     try:
         with bad_request("messages"):
-            runs = await state.inflight.start(request, specs)
+            runs = await state.inflight.start(request, specs, read_first=not req.stream)
         if req.stream:
             return StreamingResponse(_events(state, req, runs, [prompt]), media_type="text/event-stream")
         return await until_disconnect(request, _complete(state, req, runs, [prompt]))
@@ -86,7 +86,8 @@ async def _complete(state: ServerState, req: ChatCompletionRequest, runs: list[C
                              if req.logprobs else None),
                 "finish_reason": run.finish} for run in runs]
     body = {"id": new_id("chatcmpl"), "object": "chat.completion", "created": state.created,
-            "model": state.model_name, "choices": choices, "usage": usage(prompts, sum(len(r.deltas) for r in runs))}
+            "model": state.model_name, "system_fingerprint": state.fingerprint, "choices": choices,
+            "usage": usage(prompts, sum(len(r.deltas) for r in runs))}
     return Response(json.dumps(body), media_type="application/json")
 
 
@@ -97,7 +98,7 @@ async def _events(state: ServerState, req: ChatCompletionRequest, runs: list[Cho
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
         body = {"id": cid, "object": "chat.completion.chunk", "created": state.created, "model": state.model_name,
-                "choices": choices, **extra}
+                "system_fingerprint": state.fingerprint, "choices": choices, **extra}
         return f"data: {json.dumps(body)}\n\n"
 
     for run in runs:

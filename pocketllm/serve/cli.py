@@ -163,7 +163,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = build_app(engine, args.served_model_name, owns_engine=True,  # closed at the app's shutdown
                         api_key=args.api_key or None, allowed_origins=args.allowed_origins)
         server = GracefulServer(app, args.host, args.port, args.graceful_timeout)
-        print(f"pocketllm serve: {args.model} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+        print(f"pocketllm serve: {args.model} on http://{args.host}:{args.port}/v1 (system_fingerprint "
+              f"{app.state.pocketllm.fingerprint})", file=sys.stderr, flush=True)
         # After the graceful shutdown uvicorn re-raises the signal: SIGINT ends the command with
         # status 130 (KeyboardInterrupt), SIGTERM with the signal's default.
         server.run()

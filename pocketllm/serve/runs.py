@@ -1,10 +1,12 @@
 """Running one HTTP request's choices on the AsyncLLM: submission, stop strings, merging, disconnects.
 
 Every choice is submitted before the response starts, so a full queue is a 429 and never a
-broken stream. Stop strings are the server's (the engine stops on token ids): text is held back
-while it could still become a stop string, and a choice that hits one is cancelled in the engine,
-then read to its result, so every request reaches its one terminal state in the engine. InFlight
-keeps what runs, so that a shutdown ends it in a terminal state too.
+broken stream; a stream starts right after (its status and headers go out before any token is
+computed), a response that is not streamed once each choice has its first token. Stop strings
+are the server's (the engine stops on token ids): text is held back while it could still become
+a stop string, and a choice that hits one is cancelled in the engine, then read to its result,
+so every request reaches its one terminal state in the engine. InFlight keeps what runs, so
+that a shutdown ends it in a terminal state too.
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ import asyncio
 import contextlib
 import logging
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fastapi import Request
 
-from ..async_llm import AsyncLLM, StreamItem
-from ..outputs import GenerationResult
+from ..async_llm import AsyncLLM, StreamItem, Submission
+from ..outputs import GenerationResult, TopLogprobs
 from ..sampling import SamplingParams
 from ..scheduler.stream import TokenDelta
 from .errors import APIError, EngineFailure
@@ -88,21 +90,33 @@ class StopText:
 
 @dataclass(eq=False)  # compared and hashed as itself: InFlight keeps it in a WeakSet
 class ChoiceRun:
-    """A submitted choice: its first item (so submission is over) and the rest of its stream."""
+    """A submitted choice: its request and items, and its first item once read (`read_first`).
+    `prompt_scores`: the prompt's logprobs and top logprobs once they came (with its first token,
+    or its result), for a choice that scores its prompt."""
 
     spec: ChoiceSpec
-    first: StreamItem
-    rest: AsyncIterator[StreamItem]
+    submission: Submission
     engine: AsyncLLM
+    first: StreamItem | None = None
     deltas: list[TokenDelta] = field(default_factory=list)
     result: GenerationResult | None = None
     finish: str | None = None
+    prompt_scores: tuple[list[float | None], list[TopLogprobs | None] | None] | None = None
+
+    @property
+    def rest(self) -> AsyncGenerator[StreamItem, None]:
+        return self.submission.items
+
+    async def read_first(self) -> None:
+        self.first = await anext(self.rest)
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """The choice's pieces, the last one with its finish reason; its result kept in `result`."""
         checker = StopText(self.spec.stops)
-        item: StreamItem = self.first
+        item: StreamItem = self.first if self.first is not None else await anext(self.rest)
         while self.finish is None:
+            if self.prompt_scores is None and item.prompt_logprobs is not None:
+                self.prompt_scores = (item.prompt_logprobs, item.prompt_top_logprobs)
             if isinstance(item, GenerationResult):
                 self.result, self.finish = item, self._reason(item)
                 yield Piece(self.spec.index, [], checker.flush(), self.finish)
@@ -119,7 +133,7 @@ class ChoiceRun:
 
     def cancel(self) -> None:
         """Cancel the engine's request: its stream goes on to its result, which says "cancelled"."""
-        self.engine.scheduler.cancel_request(self.first.request_id)
+        self.engine.scheduler.cancel_request(self.submission.request_id)
 
     async def _cancelled(self) -> GenerationResult:
         """Cancel the engine's request (a stop string ended it) and read on to its result."""
@@ -136,21 +150,27 @@ class ChoiceRun:
         return FINISH_REASONS[result.finish_reason or "cancelled"]
 
 
-async def start(engine: AsyncLLM, specs: Sequence[ChoiceSpec]) -> list[ChoiceRun]:
-    """Submit every choice and wait for its first item; if one cannot be submitted (QueueFullError),
-    the others are cancelled and the error raised."""
-    streams = [aiter(engine.stream(spec.prompt, spec.params)) for spec in specs]
+async def start(engine: AsyncLLM, specs: Sequence[ChoiceSpec], read_first: bool) -> list[ChoiceRun]:
+    """Submit every choice (with `read_first`, and wait for each one's first item); if one cannot
+    be submitted (QueueFullError, bad input), or this is cancelled, the others are cancelled and
+    the error raised."""
+    tasks = [asyncio.ensure_future(engine.submit(spec.prompt, spec.params)) for spec in specs]
     try:
-        firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
-    except asyncio.CancelledError:  # the client left, or the server is shutting down: none may run on
-        await asyncio.gather(*(aclose(s) for s in streams), return_exceptions=True)
+        await asyncio.wait(tasks)
+        failed = next((t.exception() for t in tasks if t.exception() is not None), None)
+        if failed is not None:
+            raise failed
+        runs = [ChoiceRun(spec, task.result(), engine) for spec, task in zip(specs, tasks)]
+        if read_first:
+            await asyncio.gather(*(run.read_first() for run in runs))
+        return runs
+    except BaseException:  # the client left, the server is shutting down, or one failed: none may run on
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        submitted = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
+        await asyncio.gather(*(aclose(s.items) for s in submitted), return_exceptions=True)
         raise
-    failed = next((f for f in firsts if isinstance(f, BaseException)), None)
-    if failed is not None:
-        await asyncio.gather(*(aclose(s) for s in streams), return_exceptions=True)
-        raise failed
-    return [ChoiceRun(spec, first, rest, engine)  # type: ignore[arg-type]  # no exception left among firsts
-            for spec, first, rest in zip(specs, firsts, streams)]
 
 
 async def aclose(items: AsyncIterator[StreamItem]) -> None:
@@ -211,19 +231,20 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 class InFlight:
     """The server's submissions and runs still going, so that its shutdown can end each in a
     terminal state instead of cutting it: a run is cancelled in the engine, so it ends "abort" (a
-    stream with its final chunk and [DONE]); a submission still waiting for its first item is
-    withdrawn and answered 503; a request that comes after is answered 503 at once."""
+    stream with its final chunk and [DONE], queued or not); a request still being submitted, or
+    not streamed and still waiting for its first item, is withdrawn and answered 503; a request
+    that comes after is answered 503 at once."""
 
     def __init__(self, engine: AsyncLLM) -> None:
         self.engine, self.closing = engine, False
         self._starting: set[asyncio.Task[list[ChoiceRun]]] = set()
         self._runs: weakref.WeakSet[ChoiceRun] = weakref.WeakSet()  # a finished response lets go of its runs
 
-    async def start(self, request: Request, specs: Sequence[ChoiceSpec]) -> list[ChoiceRun]:
+    async def start(self, request: Request, specs: Sequence[ChoiceSpec], read_first: bool) -> list[ChoiceRun]:
         """`start`'s runs; ClientDisconnected if the client leaves first, a 503 once shutting down."""
         if self.closing:
             raise APIError(503, "the server is shutting down")
-        task = asyncio.ensure_future(self._start(specs))
+        task = asyncio.ensure_future(self._start(specs, read_first))
         self._starting.add(task)
         try:
             return await until_disconnect(request, task)
@@ -235,8 +256,8 @@ class InFlight:
         finally:
             self._starting.discard(task)
 
-    async def _start(self, specs: Sequence[ChoiceSpec]) -> list[ChoiceRun]:
-        runs = await start(self.engine, specs)
+    async def _start(self, specs: Sequence[ChoiceSpec], read_first: bool) -> list[ChoiceRun]:
+        runs = await start(self.engine, specs, read_first)
         self._runs.update(runs)  # in the same step as the task ends: abort() sees them either way
         return runs
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..async_llm import AsyncLLM
 from ..config import read_json_object
+from ..fingerprint import bits_fingerprint
 from ..outputs import TopLogprobs
 from ..sampling import SamplingParams
 from ..scheduler.request import validate_prompt
@@ -44,9 +45,11 @@ class ServerState:
     model_name: str
     created: int = field(default_factory=lambda: int(time.time()))
     inflight: InFlight = field(init=False)
+    fingerprint: str = field(init=False)  # every response's system_fingerprint (pocketllm.fingerprint)
 
     def __post_init__(self) -> None:
         self.inflight = InFlight(self.engine)
+        self.fingerprint = bits_fingerprint(self.engine.llm)  # the checkpoint's files hashed once, here
 
     @property
     def max_seq_len(self) -> int:

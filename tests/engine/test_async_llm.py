@@ -210,6 +210,33 @@ def test_async_text_and_errors(tiny_checkpoint):
     asyncio.run(main())
 
 
+def test_submit_returns_once_queued_and_token_0_brings_the_prompts_scores(engine, hold):
+    """`submit` returns while the engine is held in its first forward (no token yet), with the id
+    its deltas carry; token 0's delta has the prompt's logprobs and top logprobs, the result's;
+    closing a submission's items cancels its request; bad input raises from `submit` itself."""
+    hold.at_forward(engine, 1)
+    scoring = SamplingParams(max_tokens=3, ignore_eos=True, seed=4, logprobs=1, prompt_logprobs=2)
+
+    async def main() -> None:
+        first = await engine.submit([5, 6, 7, 8], scoring)
+        await _eventually(lambda: hold.reached.is_set())
+        second = await engine.submit([1, 2], LONG)
+        assert engine.scheduler.get_stats().generated_tokens == 0  # both queued, no token computed
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await engine.submit([10**6], LONG)
+        await second.items.aclose()
+        hold.release()
+        *deltas, result = [item async for item in first.items]
+        assert [d.request_id for d in deltas] == [first.request_id] * 3 and result.request_id == first.request_id
+        assert deltas[0].prompt_logprobs == result.prompt_logprobs and result.prompt_logprobs[0] is None
+        assert deltas[0].prompt_top_logprobs == result.prompt_top_logprobs and len(result.prompt_logprobs) == 4
+        assert all(d.prompt_logprobs is None and d.prompt_top_logprobs is None for d in deltas[1:])
+
+    asyncio.run(main())
+    stats = engine.scheduler.get_stats()
+    assert (stats.finished, stats.cancelled) == (1, 1) and engine.llm.slots.num_free == engine.llm.args.max_batch_size
+
+
 def test_async_backpressure_raises_or_waits_without_blocking_the_loop(tiny_checkpoint, monkeypatch):
     """Seeded and ignoring EOS, so every request runs to its max_tokens; `running` is held in its
     second forward until the checks that need a full queue are done."""

@@ -171,7 +171,8 @@ def test_recomputed_requests_score_as_they_generated(tiny_checkpoint):
 
 def test_a_scoring_request_recomputed_mid_prompt_scores_each_position_once(tiny_checkpoint, serial):
     """prompt_logprobs of a request preempted between its prompt's pieces, and again while it
-    decodes: one score per prompt token, those of its uninterrupted serial run."""
+    decodes: one score per prompt token, those of its uninterrupted serial run, on its first
+    token's delta as on its result."""
     prompt, params = _prompt(150, 7), _params(5, 5, prompt_logprobs=3)
     expected = serial.generate(prompt, params)
     llm = _engine(tiny_checkpoint, max_batch_size=1, max_num_batched_tokens=64)
@@ -188,6 +189,9 @@ def test_a_scoring_request_recomputed_mid_prompt_scores_each_position_once(tiny_
     assert (result.prompt_logprobs, result.prompt_top_logprobs) == (expected.prompt_logprobs,
                                                                     expected.prompt_top_logprobs)
     assert (result.token_ids, result.logprobs) == (expected.token_ids, expected.logprobs)
+    assert (sampled[0].prompt_logprobs, sampled[0].prompt_top_logprobs) == (expected.prompt_logprobs,
+                                                                            expected.prompt_top_logprobs)
+    assert all(d.prompt_logprobs is None for d in sampled[1:])
 
 
 # -- lifecycle, delivery and stats -------------------------------------------------------------

@@ -80,10 +80,12 @@ def _wait_for(engine: AsyncLLM, running: int, waiting: int) -> None:
 
 
 def test_the_graceful_timeout_ends_every_request_in_its_terminal_state(serve_checkpoint, monkeypatch, caplog):
-    """Three requests running (two streams, one not streamed) and a stream queued behind them, all
-    longer than the 0.3 s graceful timeout: the running ones end with finish_reason "abort", each
-    stream with its final chunk and [DONE]; the queued one is answered 503; nothing is cut, no
-    error or traceback is logged, every request ends cancelled and every slot is free."""
+    """Three requests running (two streams, one not streamed), and a stream and a request not
+    streamed queued behind them, all longer than the 0.3 s graceful timeout: the running ones end
+    with finish_reason "abort", each stream with its final chunk and [DONE], the queued stream too
+    (its status line went out when it was queued); the queued request not streamed is answered
+    503; nothing is cut, no error or traceback is logged, every request ends cancelled and every
+    slot is free."""
     engine = AsyncLLM(engine_args(serve_checkpoint, max_batch_size=3))
     run = engine.llm.runner.run
     monkeypatch.setattr(engine.llm.runner, "run", lambda seqs: time.sleep(0.05) or run(seqs))  # 200 tokens: 10 s
@@ -96,7 +98,8 @@ def test_the_graceful_timeout_ends_every_request_in_its_terminal_state(serve_che
             clients = [Client(url, "/v1/completions", {**long, "prompt": [1, 2], "stream": True}),
                        Client(url, "/v1/chat/completions", chat),
                        Client(url, "/v1/completions", {**long, "prompt": [3, 4]}),
-                       Client(url, "/v1/completions", {**long, "prompt": [5, 6], "stream": True})]
+                       Client(url, "/v1/completions", {**long, "prompt": [5, 6], "stream": True}),
+                       Client(url, "/v1/completions", {**long, "prompt": [7, 8]})]
             for count, client in enumerate(clients, 1):
                 client.start()
                 _wait_for(engine, min(count, 3), max(0, count - 3))
@@ -106,14 +109,15 @@ def test_the_graceful_timeout_ends_every_request_in_its_terminal_state(serve_che
     finally:
         uvicorn_log.removeHandler(caplog.handler)
         engine.close()
-    streamed, chatted, whole, queued = clients
+    streamed, chatted, whole, queued_stream, queued = clients
     assert streamed.last_chunk()["choices"][0]["finish_reason"] == "abort"
     assert chatted.last_chunk()["choices"][0]["finish_reason"] == "abort"
     assert whole.status == 200 and json.loads("".join(whole.lines))["choices"][0]["finish_reason"] == "abort"
+    assert queued_stream.status == 200 and queued_stream.last_chunk()["choices"][0]["finish_reason"] == "abort"
     assert queued.status == 503 and json.loads("".join(queued.lines))["error"]["type"] == "service_unavailable"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
     stats = engine.scheduler.get_stats()
-    assert (stats.cancelled, stats.running, stats.waiting) == (4, 0, 0) and engine.llm.slots.num_free == 3
+    assert (stats.cancelled, stats.running, stats.waiting) == (5, 0, 0) and engine.llm.slots.num_free == 3
 
 
 def _free_port() -> int:
