@@ -177,6 +177,7 @@ class SlotCache:
         # States a forward kept inside its prefill pieces, (slot, position) -> a copy being filled
         # layer by layer (`keep_state`), until the scheduler commits it (`commit_kept`).
         self.kept: dict[tuple[int, int], list[torch.Tensor | None]] = {}
+        self._state_layers = [i for i, c in enumerate(self.conv) if c is not None]  # layers with states, in order
         self.prefix_state_bytes = sum(s[0].numel() * s.element_size() for s in self._states())  # one copy
 
     @property
@@ -227,8 +228,7 @@ class SlotCache:
         """Copy layer `layer`'s conv or recurrent state (`kind`) of `slot`, as it is with `position`
         positions cached, into the copy kept at that position (called inside a forward, between the
         pieces of a split recurrent op: models/rounds.py)."""
-        conv_layers = [i for i, c in enumerate(self.conv) if c is not None]
-        index = conv_layers.index(layer) + (len(conv_layers) if kind == "recurrent" else 0)
+        index = self._state_layers.index(layer) + (len(self._state_layers) if kind == "recurrent" else 0)
         state = (self.conv if kind == "conv" else self.recurrent)[layer]
         assert state is not None, f"layer {layer} keeps no {kind} state"
         self.kept.setdefault((slot, position), [None] * len(self._states()))[index] = state[slot].clone()

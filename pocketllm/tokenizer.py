@@ -15,6 +15,7 @@ tokenizer, those special tokens' literal text in a prompt encodes to their ids.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -79,12 +80,18 @@ def _byte_symbols() -> list[str]:
     return [chr(b) if b in printable else chr(next(shifted)) for b in range(NUM_BYTES)]
 
 
+@functools.cache
+def _byte_values() -> dict[str, int]:
+    """The byte each symbol of GPT-2's byte-level alphabet stands for."""
+    return {c: b for b, c in enumerate(_byte_symbols())}
+
+
 def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
     """The bytes a token stands for. A byte-level BPE token's symbols map back to their bytes, so a
     token inside a multibyte character gives its own bytes (its decoded text alone would be U+FFFD);
     a token of another vocabulary gives its decoded text as UTF-8."""
     symbol = tokenizer.id_to_token(token_id) or ""
-    values = {c: b for b, c in enumerate(_byte_symbols())}
+    values = _byte_values()
     if symbol and all(c in values for c in symbol):
         return bytes(values[c] for c in symbol)
     return str(tokenizer.decode([token_id], skip_special_tokens=False)).encode("utf-8")

@@ -7,6 +7,7 @@ gated delta rule) and the linear layers run each kind's rows through that kind's
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,12 @@ class ForwardBatch:
     decode: DecodeRows | None  # None when the batch has no decode sequence
     prefill: PrefillRows | None  # None when the batch has no prefill piece
     keeps: tuple[tuple[int, ...], ...] = ()  # per sequence: positions inside it where recurrent states are kept
+
+    @functools.cached_property
+    def rounds(self) -> list[Round]:
+        """The prefill pieces cut at their `keeps`, as rounds of sub-pieces: worked out once, for
+        every layer's recurrent ops."""
+        return _rounds(self)
 
     @property
     def is_decode(self) -> bool:
@@ -99,6 +106,42 @@ class ForwardBatch:
             prefill=prefill,
             keeps=tuple(tuple(k) for k in keeps) if keeps and any(keeps) else (),
         )
+
+
+@dataclass(frozen=True)
+class Round:
+    """One sub-piece of each prefill piece that still has one: its rows in the batch, the varlen
+    description the prefill ops take, and the (slot, position) states complete after it."""
+
+    rows: torch.Tensor
+    slot_ids: torch.Tensor
+    start_positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+    kept: tuple[tuple[int, int], ...]
+
+
+def _rounds(batch: ForwardBatch) -> list[Round]:
+    """The prefill pieces cut at their kept positions, as rounds of sub-pieces (models/rounds.py)."""
+    assert batch.prefill is not None
+    device = batch.slot_ids.device
+    slots, starts = batch.prefill.slot_ids.tolist(), batch.prefill.start_positions.tolist()
+    cu = batch.prefill.cu_seqlens.tolist()
+    bounds = [[start, *keeps, start + cu[i + 1] - cu[i]]
+              for i, (start, keeps) in enumerate(zip(starts, batch.keeps[batch.num_decode:]))]
+    out = []
+    for r in range(max(len(b) for b in bounds) - 1):
+        members = [i for i, b in enumerate(bounds) if r + 1 < len(b)]
+        rows: list[int] = []
+        lengths: list[int] = []
+        for i in members:
+            first = batch.num_decode + cu[i] + bounds[i][r] - starts[i]
+            rows += range(first, first + bounds[i][r + 1] - bounds[i][r])
+            lengths.append(bounds[i][r + 1] - bounds[i][r])
+        offsets = torch.tensor([0, *lengths], dtype=torch.int64, device=device).cumsum(0)
+        index = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+        out.append(Round(index(rows), index([slots[i] for i in members]), index([bounds[i][r] for i in members]),
+                         offsets, tuple((slots[i], bounds[i][r + 1]) for i in members if r + 2 < len(bounds[i]))))
+    return out
 
 
 def logit_rows(cu_seqlens: list[int], sampled: list[bool], scored: list[int]) -> list[int]:

@@ -73,15 +73,17 @@ class PrefillPolicy:
         """The fine positions strictly inside the piece [start, end): where its recurrent ops stop
         to keep the states (the piece's end is kept after it, `SlotManager.prefilled`)."""
         first = (start // POSITION_GRID + 1) * POSITION_GRID
-        return tuple(p for p in range(first, min(end, self.fine_snapshot_until + 1), POSITION_GRID) if p < end)
+        return tuple(p for p in range(first, end, POSITION_GRID) if self.fine_position(p))
+
+    def keeps_states_at(self, position: int, fine: bool) -> bool:
+        """Whether a hybrid model's slot keeps its states where it holds `position` positions: the
+        snapshot grid, and with `fine` (exact positions) the fine positions."""
+        interval = self.snapshot_interval
+        return bool(interval and position % interval == 0) or (fine and self.fine_position(position))
 
     def kept_positions(self, last: int, fine: bool) -> int:
-        """How many positions up to `last` a hybrid model's slot keeps its states at: the snapshot
-        grid, and with `fine` (exact positions) the fine positions."""
-        interval = self.snapshot_interval
-        kept = {p for p in range(POSITION_GRID, last + 1, POSITION_GRID)
-                if (interval and p % interval == 0) or (fine and self.fine_position(p))}
-        return len(kept)
+        """How many positions up to `last` a hybrid model's slot keeps its states at."""
+        return sum(self.keeps_states_at(p, fine) for p in range(POSITION_GRID, last + 1, POSITION_GRID))
 
     @property
     def reuse_grid(self) -> int:

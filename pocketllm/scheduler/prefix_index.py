@@ -77,8 +77,5 @@ class PrefixIndex:
     def verified(self, slot: int, prompt: Sequence[int], length: int) -> int:
         """`length` if `slot` holds prompt[:length] token for token, else the whole blocks it does
         hold (a hash collision only shortens a match)."""
-        held = self._tokens[slot]
-        if held[:length] == list(prompt[:length]):
-            return length
-        same = next((i for i, (a, b) in enumerate(zip(held, prompt)) if a != b), min(len(held), len(prompt)))
-        return min(same, length) // self.grid * self.grid
+        same = self.common_prefix(slot, prompt, length)
+        return length if same == length else same // self.grid * self.grid

@@ -12,8 +12,8 @@ Prefix reuse: a new request takes the slot whose contents share the longest reus
 with its prompt (free slots first at equal length, then the least recently used); when the best
 donor is busy, the prefix is copied into a free slot instead. With exact positions
 (`reuse_decoded`) every cut is exact and the positions decode steps wrote hold a prefill's bits, so
-they are reused too, and a prefix of any length is found (`reuse_any`: the index finds slots by
-16-token blocks, the match is extended to the token). A model without recurrent states reuses it
+they are reused too, and a prefix of any length is found (the index finds slots by 16-token
+blocks, the match is extended to the token). A model without recurrent states reuses it
 whole; a hybrid one up to the furthest position where the slot's states were kept: its snapshot
 grid, and where the slot's last tenant ended (a chat's next turn reuses the whole last turn).
 Without exact positions
@@ -53,12 +53,10 @@ class SlotManager:
     def __init__(self, cache: SlotCache, policy: PrefillPolicy, reuse_decoded: bool = False) -> None:
         self.cache = cache
         self.policy = policy
-        # Whether decoded positions are reusable: only where they have the bits a prefill would give
-        # them (exact positions).
+        # Whether decoded positions are reusable, and a prefix to any length: with exact positions
+        # every cut is exact and a decoded position holds a prefill's bits (a hybrid model's prefix
+        # up to a position where its states were kept: `SlotCache.resume_point`).
         self.reuse_decoded = reuse_decoded
-        # Whether a prefix is reusable to any length: with exact positions every cut is exact (a
-        # hybrid model's up to a position where its states were kept: `SlotCache.resume_point`).
-        self.reuse_any = reuse_decoded
         self._free = list(range(cache.num_slots))  # least recently used first
         self._held: list[list[int]] = [[] for _ in range(cache.num_slots)]  # per freed slot: its tokens
         self.index = PrefixIndex(cache.num_slots, self._index_grid(policy))
@@ -75,11 +73,8 @@ class SlotManager:
         return self.reuse_decoded and self.cache.has_states and self.policy.prefix_reuse
 
     def _keeps_at(self, length: int) -> bool:
-        """Whether a slot's states are kept where it holds `length` positions: the snapshot grid,
-        and the fine positions where those are kept."""
-        interval = self.policy.snapshot_interval
-        return bool(interval and length % interval == 0) or \
-            (self.keeps_fine_states and self.policy.fine_position(length))
+        """Whether a slot's states are kept where it holds `length` positions."""
+        return self.policy.keeps_states_at(length, self.keeps_fine_states)
 
     @property
     def num_free(self) -> int:
@@ -98,7 +93,7 @@ class SlotManager:
         """Run on `policy` from now on; what the slots hold stays reusable only when the reuse grid
         and the snapshot interval are unchanged."""
         old, self.policy = self.policy, policy
-        if self.reuse_any:
+        if self.reuse_decoded:
             return  # every position of every slot stays reusable, whatever the cuts
         if (policy.reuse_grid, policy.snapshot_interval) != (old.reuse_grid, old.snapshot_interval):
             self.index = PrefixIndex(self.cache.num_slots, self._index_grid(policy))
@@ -109,7 +104,7 @@ class SlotManager:
     def _index_grid(self, policy: PrefillPolicy) -> int:
         """The index's blocks: INDEX_BLOCK tokens with reuse at any position (a found slot's match is
         then extended to the token), else the policy's reuse grid (0: nothing is reused)."""
-        return INDEX_BLOCK if self.reuse_any else policy.reuse_grid or 1
+        return INDEX_BLOCK if self.reuse_decoded else policy.reuse_grid or 1
 
     # -- taking and releasing slots ----------------------------------------------------------
 
@@ -139,16 +134,16 @@ class SlotManager:
         """The best free slot for `prompt`, and the prefix it can reuse (none without `reuse`). A
         free slot must exist."""
         free = self.free_slots  # least recently used first
-        limit = self.policy.reusable(len(prompt), len(prompt), self.reuse_any) if reuse else 0
+        limit = self.policy.reusable(len(prompt), len(prompt), self.reuse_decoded) if reuse else 0
         matches = self.index.match(prompt, limit) if limit else {}
-        if self.reuse_any:  # whole blocks found; each match extended to the token, then to a kept state
+        if self.reuse_decoded:  # whole blocks found; each match extended to the token, then to a kept state
             matches = {slot: self.cache.resume_point(slot, self.index.common_prefix(slot, prompt, limit))
                        for slot in matches}
             matches = {slot: length for slot, length in matches.items() if length}
         # Longest prefix; at equal length a free slot (no copy), then the least recently used.
         rank = {slot: i for i, slot in enumerate(free)}
         best = max(matches, key=lambda s: (matches[s], s in rank, -rank.get(s, 0)), default=None)
-        reused = 0 if best is None else matches[best] if self.reuse_any else \
+        reused = 0 if best is None else matches[best] if self.reuse_decoded else \
             self.index.verified(best, prompt, matches[best])
         if not reused:
             return Placement(free[0], 0, None)
