@@ -10,10 +10,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import FileResponse, Response
+from fastapi.staticfiles import StaticFiles
 
 from ..async_llm import AsyncLLM
 from ..version import __version__
@@ -26,6 +28,8 @@ from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeReques
 from .state import ServerState
 
 logger = logging.getLogger(__name__)
+# The web page at `/`: static files, no build step; they hold no data, so no key guards them.
+STATIC_DIR = Path(__file__).parent / "static"
 
 
 def build_app(engine: AsyncLLM, model_name: str | None = None, owns_engine: bool = False, api_key: str | None = None,
@@ -86,6 +90,17 @@ def build_app(engine: AsyncLLM, model_name: str | None = None, owns_engine: bool
     @app.get("/metrics")
     async def metrics(format: str = "prometheus") -> Response:
         return metrics_response(state, registry, format)
+
+    return _with_web_page(app)
+
+
+def _with_web_page(app: FastAPI) -> FastAPI:
+    """`app` with the web page at `/` and its files under /static (static/: no build step)."""
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    @app.get("/", include_in_schema=False)
+    async def web_page() -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html")
 
     return app
 
