@@ -211,13 +211,22 @@ def tiny_engines(checkpoint_dir):
 
 
 def _assert_with_history(engines: Engines, workload: Workload) -> None:
-    """assert_batch_invariant; a failure also prints every workload the engines ran before, which
-    the slots' contents depend on (`pocketllm.testing.engines.replay` runs them again)."""
+    """assert_batch_invariant; a failure also says whether the same engines and new ones built in
+    this process give the mismatch again, and prints every workload the engines ran before (what
+    their slots hold depends on it; `pocketllm.testing.engines.replay` runs them again). Replaying
+    two recorded histories of this property's rare 1-ulp failure in a new process did not reproduce
+    it, and it showed on an engine's first workload: the first two lines tell the next failure's
+    reader whether the engine's state or the process decides it."""
     try:
         assert_batch_invariant(engines, workload)
     except ContractViolation as exc:
-        raise ContractViolation(f"{exc}\n\nthe engines' workloads so far, in order (replay them with "
-                                f"pocketllm.testing.engines.replay):\n{engines.history!r}") from None
+        again = len(mismatches(engines, workload))
+        with Engines(engines.path, engines.max_seq_len, engine_args=engines.engine_args,
+                     batched_args=engines.batched_args, **engines.options) as new:
+            fresh = len(mismatches(new, workload))
+        raise ContractViolation(f"{exc}\n\nthe same engines again: {again} mismatching requests; new engines in "
+                                f"this process: {fresh}\nthe engines' workloads so far, in order (replay them "
+                                f"with pocketllm.testing.engines.replay):\n{engines.history!r}") from None
 
 
 @settings(max_examples=budget(0.05))
