@@ -11,7 +11,9 @@ from .outputs import GenerationResult
 from .sampling import SamplingParams
 from .scheduler.batch_scheduler import QueueFullError, SwapSpaceError
 from .scheduler.stream import TokenDelta
+from .structured_outputs import StructuredOutputsParams
 from .version import __version__
 
 __all__ = ["LLM", "AsyncLLM", "Capabilities", "EngineArgs", "GenerationResult", "ModelConfig", "QueueFullError",
-           "SamplingParams", "SwapSpaceError", "TokenDelta", "__version__", "write_checkpoint"]
+           "SamplingParams", "StructuredOutputsParams", "SwapSpaceError", "TokenDelta", "__version__",
+           "write_checkpoint"]

@@ -16,6 +16,7 @@ import torch
 from .cache import RecurrentCacheSpec, SlotCache, cache_bytes, require_memory
 from .chat import Message, load_chat_template, render_chat
 from .config import EngineArgs
+from .grammar import Grammars
 from .kernels import Ops
 from .kernels.backends import get_backend
 from .kernels.gated_delta_prefill import needs_replay
@@ -90,18 +91,21 @@ class LLM:
         self.tokenizer: Tokenizer | None = load_tokenizer(args.model)
         self.chat_template: str | None = load_chat_template(args.model)
         self._ids = itertools.count()
-        exact_positions = self._exact_positions(batch_invariant)
+        # A position's bits are the same decoded, prefilled or scored: built for it, and invariant here.
+        exact_positions = batch_invariant and self._exact_requested()
         if self.workers is not None:  # stopped after the scheduler (finalizers run newest first)
             weakref.finalize(self, self.workers.stop)
         check_preemption_mode(engine.preemption_mode, exact_positions)  # serial mode too: one configuration
+        cfg = self.model_config
+        self.grammars = Grammars(args.model, cfg.vocab_size, cfg.eos_token_ids, self.tokenizer)  # structured outputs
         self.scheduler: BatchScheduler | None = None
         if engine.enable_batching:
-            cfg = self.model_config
             self.scheduler = BatchScheduler(self.runner, self.cache, cfg.vocab_size, args.max_seq_len,
                                             cfg.eos_token_ids, engine.background_thread, engine.record_timeline,
                                             request_ids=self._ids, policy=self.policy, max_waiting=engine.max_waiting,
                                             max_swap_bytes=engine.max_swap_bytes, detokenize=self._detokenizer(),
-                                            exact_positions=exact_positions, preemption_mode=engine.preemption_mode)
+                                            exact_positions=exact_positions, preemption_mode=engine.preemption_mode,
+                                            grammars=self.grammars)
             weakref.finalize(self, self.scheduler.stop)
         # What the slots hold: the scheduler's manager when batched, one for the serial path else.
         self.slots = self.scheduler.slots if self.scheduler is not None else SlotManager(self.cache, self.policy)
@@ -185,11 +189,6 @@ class LLM:
         return options.batch_invariant and get_backend(self.args.backend).exact(options.exact_positions,
                                                                                 options.decode_per_row)
 
-    def _exact_positions(self, batch_invariant: bool) -> bool:
-        """Whether a position's bits are the same decoded, prefilled or scored: built for it, and
-        batch invariant here (the probe's verdict on the torch backend)."""
-        return batch_invariant and self._exact_requested()
-
     def _check_invariance(self) -> bool:
         """Whether this engine keeps the invariance contract here. The triton kernels are invariant
         by construction; the torch backend's rests on the BLAS, so it is probed on the model's own
@@ -255,7 +254,8 @@ class LLM:
 
     def make_request(self, prompt_tokens: list[int], params: SamplingParams) -> Request:
         """A request with a fresh id for an already validated prompt."""
-        return Request(next(self._ids), prompt_tokens, params, params.resolved_seed(), self.model_config.eos_token_ids)
+        return Request(next(self._ids), prompt_tokens, params, params.resolved_seed(), self.model_config.eos_token_ids,
+                       grammar=self.grammars.state(params))
 
     # -- generation ------------------------------------------------------------------------
 
@@ -307,7 +307,7 @@ class LLM:
             results = self.scheduler.generate(list(zip(token_prompts, params_list)), priority)
         else:
             cfg = self.model_config
-            checked = [check_submission(p, sp, priority, cfg.vocab_size, self.args.max_seq_len)
+            checked = [check_submission(p, sp, priority, cfg.vocab_size, self.args.max_seq_len, self.grammars)
                        for p, sp in zip(token_prompts, params_list)]
             results = [self._run_serial(self.make_request(p, sp)) for p, sp in checked]
         return results[0] if single else results

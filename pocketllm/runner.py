@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import SlotCache
+from .grammar import GrammarState
 from .logits_processors import TokenHistory, process_row
 from .models import ForwardBatch, Model
 from .sampling import SamplingParams
@@ -29,7 +30,8 @@ class SequenceInput:
     rows are scored against (row i: the token after token_ids[i]; empty: nothing is scored).
     `keeps`: positions inside a prefill piece where the slot's recurrent states are kept on the way
     (`SlotCache.keep_state`), for prefix reuse. `history`: the request's tokens, which a sequence that
-    samples needs when its params set a logits control (`SamplingParams.controls_logits`)."""
+    samples needs when its params set a logits control (`SamplingParams.controls_logits`). `grammar`:
+    the matcher of a request with structured outputs, whose mask a sequence that samples applies."""
 
     slot: int
     start: int
@@ -41,6 +43,12 @@ class SequenceInput:
     targets: list[int] = field(default_factory=list)
     keeps: tuple[int, ...] = ()
     history: TokenHistory | None = None
+    grammar: GrammarState | None = None
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether its sampling row is changed before the sampler: a logits control or a grammar."""
+        return self.params.controls_logits or self.grammar is not None
 
 
 @dataclass(frozen=True)
@@ -135,7 +143,7 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[SequenceInput, int]]) -> dict[int, tuple[int, float]]:
         """logit row -> (token, logprob) sampled there, for each (sequence, row) of `rows`. A sequence
-        whose params set logits controls samples from its row as they change it (`process_row`, row by
+        with a grammar or logits controls samples from its row as they change it (`_processed`, row by
         row) and reports the raw logprob, as the scoring op computes it."""
         if not rows:
             return {}
@@ -145,13 +153,10 @@ class ModelRunner:
             return torch.tensor(values, dtype=dtype, device=self.device)
 
         raw = logits[column([row for _, row in rows], torch.int64)]
-        controlled = [i for i, s in enumerate(seqs) if s.params.controls_logits]
+        controlled = [i for i, s in enumerate(seqs) if s.processes_logits]
         picked = raw.clone() if controlled else raw
         for i in controlled:
-            history = seqs[i].history
-            if history is None:
-                raise ValueError("a sequence whose params set logits controls needs its history (TokenHistory)")
-            picked[i] = process_row(raw[i], seqs[i].params, history)
+            picked[i] = _processed(raw[i], seqs[i])
         tokens, logprobs = self.model.ops.sample(
             picked,
             column([0.0 if s.params.greedy else float(s.params.temperature) for s in seqs], torch.float32),
@@ -182,6 +187,18 @@ class ModelRunner:
         chosen, top_ids, top_logprobs = self.model.ops.logprobs(logits[index], tokens, num_top)
         pairs = [list(zip(ids, lps)) for ids, lps in zip(top_ids.tolist(), top_logprobs.tolist())]
         return {row: (lp, tuple(pair[:k])) for (row, _, k), lp, pair in zip(wanted, chosen.tolist(), pairs)}
+
+
+def _processed(row: torch.Tensor, seq: SequenceInput) -> torch.Tensor:
+    """A sequence's row of logits as it samples from it: its grammar's mask first (as vLLM applies the
+    structured-output bitmask before the sampler's controls), then its logits controls."""
+    if seq.grammar is not None:
+        row = seq.grammar.apply(row)
+    if seq.params.controls_logits:
+        if seq.history is None:
+            raise ValueError("a sequence whose params set logits controls needs its history (TokenHistory)")
+        row = process_row(row, seq.params, seq.history)
+    return row
 
 
 def _false_rows(mask: torch.Tensor) -> list[int]:

@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from .structured_outputs import StructuredOutputsParams, structured_outputs
+
 MAX_SEED = 2**64 - 1
 # Below this temperature sampling is greedy: dividing logits by a smaller one overflows fp32.
 MIN_TEMPERATURE = 1e-5
@@ -147,7 +149,14 @@ class SamplingParams:
     then top-k and top-p and the draw; a greedy request takes the argmax of the processed logits.
     Token ids must lie in the model's vocabulary (checked at submission). Reported logprobs are raw,
     as vLLM's default (`logprobs_mode="raw_logprobs"`): the sampled token's and the alternatives'
-    are the model's log-softmax, not the processed distribution's."""
+    are the model's log-softmax, not the processed distribution's.
+
+    structured_outputs: None, or a StructuredOutputsParams (or a dict of its fields): the output must
+    follow a JSON schema, be a JSON object, match a regex, be one of a list of strings, or follow an
+    EBNF grammar (pocketllm.structured_outputs). Compiled by xgrammar at submission (the `structured`
+    extra); at each step the tokens the grammar does not allow next are masked, before the controls
+    above, and the request ends ("stop") once the grammar is complete and EOS is sampled. Logprobs
+    stay raw, as with the controls."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -166,6 +175,7 @@ class SamplingParams:
     min_tokens: int = 0
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         set_field = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
@@ -201,6 +211,7 @@ class SamplingParams:
             set_field("prompt_logprobs", _int_in("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS,
                                                  f"True, False, {rule}"))
         self._check_controls(set_field)
+        set_field("structured_outputs", structured_outputs(self.structured_outputs))
 
     def _check_controls(self, set_field: Callable[[str, object], None]) -> None:
         """The logits controls, each checked and kept in its canonical form."""
@@ -231,8 +242,10 @@ class SamplingParams:
         set_field("bad_words_token_ids", checked)
 
     def __repr__(self) -> str:
-        """Python that builds it again: every field but the logits controls, which appear when set."""
-        shown = [f.name for f in fields(self) if f.name not in CONTROLS or getattr(self, f.name) != CONTROLS[f.name]]
+        """Python that builds it again: every field but the logits controls and structured_outputs,
+        which appear when set."""
+        optional = {**CONTROLS, "structured_outputs": None}
+        shown = [f.name for f in fields(self) if f.name not in optional or getattr(self, f.name) != optional[f.name]]
         return f"SamplingParams({', '.join(f'{name}={getattr(self, name)!r}' for name in shown)})"
 
     @property

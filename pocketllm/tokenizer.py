@@ -97,6 +97,21 @@ def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
     return str(tokenizer.decode([token_id], skip_special_tokens=False)).encode("utf-8")
 
 
+
+def vocab_bytes(tokenizer: Tokenizer, vocab_size: int) -> list[bytes]:
+    """Each id's bytes in text (`token_bytes`, the byte table built once), for ids 0..vocab_size-1
+    (the model's vocabulary, which may be wider than the tokenizer's): b"" for a special token and
+    for an id the tokenizer lacks, which no text contains (what xgrammar takes as special)."""
+    values = {c: b for b, c in enumerate(_byte_symbols())}
+    special = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
+    vocab = [b""] * vocab_size
+    for symbol, i in tokenizer.get_vocab(with_added_tokens=True).items():
+        if i >= vocab_size or i in special:
+            continue
+        vocab[i] = bytes(values[c] for c in symbol) if symbol and all(c in values for c in symbol) else \
+            str(tokenizer.decode([i], skip_special_tokens=False)).encode("utf-8")
+    return vocab
+
 def byte_level_tokenizer_files(vocab_size: int, eos_token_ids: Sequence[int],
                                model_max_length: int) -> dict[str, dict[str, Any]] | None:
     """tokenizer.json and tokenizer_config.json contents (file name -> JSON) of the byte-level

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import cast, overload
 
 from ..cache import SlotCache
+from ..grammar import Grammars
 from ..options import PreemptionMode
 from ..outputs import GenerationResult
 from ..runner import ModelRunner
@@ -54,20 +55,22 @@ class BatchScheduler(SchedulerLoop):
                  request_ids: Iterator[int] | None = None, policy: PrefillPolicy | None = None,
                  max_waiting: int = 0, max_swap_bytes: int = 0,
                  detokenize: Callable[[list[int]], str] | None = None, exact_positions: bool = False,
-                 preemption_mode: PreemptionMode = "swap") -> None:
+                 preemption_mode: PreemptionMode = "swap", grammars: Grammars | None = None) -> None:
         """`max_waiting`: submissions refused (or made to wait) beyond this many waiting requests;
         `max_swap_bytes`: host memory preempted requests may hold (0: no limit, for both).
         `detokenize`: token ids -> text; with it, results and token deltas carry text.
         `exact_positions`: the op table gives a position the same bits decoded or prefilled at any cut,
         so decoded positions are reusable and a prompt is cut where the step's budget runs out.
         `preemption_mode`: "swap" (a preempted slot copied to host memory and back) or "recompute"
-        (the slot freed, the request's tokens prefilled again on readmission; needs exact_positions)."""
+        (the slot freed, the request's tokens prefilled again on readmission; needs exact_positions).
+        `grammars`: compiles requests' structured outputs (SamplingParams.structured_outputs) at
+        submission and gives each its matcher; without it such a request is refused."""
         policy = policy if policy is not None else PrefillPolicy()
         check_policy(policy, cache.num_slots, max_seq_len, cache.has_states, exact_positions)
         check_preemption_mode(preemption_mode, exact_positions)
         self.runner, self.cache = runner, cache
         self.vocab_size, self.max_seq_len, self.eos_token_ids = vocab_size, max_seq_len, eos_token_ids
-        self.max_waiting = max_waiting
+        self.max_waiting, self.grammars = max_waiting, grammars
         self._ids = request_ids if request_ids is not None else itertools.count()
         self._lock = threading.Lock()  # every request, queue, counter and the timeline change under it
         self._work = threading.Condition(self._lock)  # the loop waits here for requests
@@ -112,7 +115,7 @@ class BatchScheduler(SchedulerLoop):
         nobody else would, as `_drive` does)."""
         until = deadline(wait_ms, "wait_ms")
         prompt, sampling = check_submission(prompt_tokens, sampling, priority, self.vocab_size, self.max_seq_len,
-                                            callback=callback, on_token=on_token)
+                                            self.grammars, callback=callback, on_token=on_token)
         return self._enqueue(prompt, sampling, priority, self.delivery.subscribe(callback, on_token), until)
 
     def preempt(self, request_id: int) -> bool:
@@ -203,7 +206,7 @@ class BatchScheduler(SchedulerLoop):
         thread does); other submitters' requests share the steps. With `max_waiting`, the
         submissions wait for room as they go, so any number of prompts gets through. If this
         raises part way (stop(), an interrupt), what it queued is cancelled and never left over."""
-        checked = [check_submission(prompt, params, priority, self.vocab_size, self.max_seq_len)
+        checked = [check_submission(prompt, params, priority, self.vocab_size, self.max_seq_len, self.grammars)
                    for prompt, params in requests]
         ids: list[int] = []
         try:
@@ -296,8 +299,9 @@ class BatchScheduler(SchedulerLoop):
         return not self.max_waiting or len(self.planner.waiting) < self.max_waiting
 
     def _queue(self, prompt: list[int], sampling: SamplingParams, priority: int, subscriber: Subscriber | None) -> int:
+        grammar = None if self.grammars is None else self.grammars.state(sampling)  # compiled at the check
         request = Request(next(self._ids), prompt, sampling, sampling.resolved_seed(), self.eos_token_ids,
-                          priority=priority, subscriber=subscriber)
+                          priority=priority, subscriber=subscriber, grammar=grammar)
         self._requests[request.request_id] = request
         self.planner.enqueue(request)
         self.counters.counts["prompt_tokens"] += len(prompt)

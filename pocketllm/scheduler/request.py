@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..cache import SwappedSlot
+from ..grammar import Grammars, GrammarState, check_grammar
 from ..logits_processors import TokenHistory
 from ..outputs import FinishReason, GenerationResult, TopLogprobs
 from ..runner import SequenceInput, SequenceOutput, TokenLogprob
@@ -78,11 +79,14 @@ def validate_prompt(prompt_tokens: Sequence[int], params: SamplingParams, vocab_
 
 
 def check_submission(prompt_tokens: Sequence[int], sampling: SamplingParams | None, priority: int, vocab_size: int,
-                     max_seq_len: int, **callbacks: Callable[..., None] | None) -> tuple[list[int], SamplingParams]:
+                     max_seq_len: int, grammars: Grammars | None = None,
+                     **callbacks: Callable[..., None] | None) -> tuple[list[int], SamplingParams]:
     """What a submission gives, every argument checked (TypeError/ValueError): the prompt as ints
-    and its params (None: the defaults); `callbacks` must be callable or None."""
+    and its params (None: the defaults), whose structured output `grammars` compiles (GrammarError,
+    or ImportError without xgrammar); `callbacks` must be callable or None."""
     sampling = sampling if sampling is not None else SamplingParams()
     prompt = validate_prompt(prompt_tokens, sampling, vocab_size, max_seq_len)
+    check_grammar(grammars, sampling)
     for name, fn in callbacks.items():
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
@@ -126,6 +130,7 @@ class Request:
     text: str | None = None  # its tokens decoded, once it has ended (when the engine detokenizes)
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # per generated token
     prompt_scores: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (prompt_logprobs)
+    grammar: GrammarState | None = None  # its structured output's matcher (params.structured_outputs)
 
     @property
     def order(self) -> tuple[int, int]:
@@ -184,7 +189,7 @@ class Request:
         sample = end == len(tokens)
         return SequenceInput(self.assigned_slot, start, tokens[start:end], self.params, self.seed, decode=False,
                              sample=sample, targets=targets, keeps=policy.keeps(start, end) if keep else (),
-                             history=self.history() if sample else None)
+                             history=self.history() if sample else None, grammar=self.grammar if sample else None)
 
     def next_input(self, policy: PrefillPolicy) -> SequenceInput:
         """The next prefill piece while they last, then a decode row."""
@@ -192,7 +197,7 @@ class Request:
 
     def decode_input(self) -> SequenceInput:
         return SequenceInput(self.assigned_slot, self.num_cached, [self.token_ids[-1]], self.params, self.seed,
-                             decode=True, history=self.history())
+                             decode=True, history=self.history(), grammar=self.grammar)
 
     def history(self) -> TokenHistory | None:
         """What its logits controls read when it samples next (None when it sets none): the live
@@ -224,14 +229,18 @@ class Request:
         self.replayed, self.num_prefilled = len(self.token_ids), 0
 
     def append(self, sampled: TokenLogprob) -> None:
-        """Record a sampled token and finish the request if it stops or reaches max_tokens."""
+        """Record a sampled token and finish the request if it stops (a stop token, or the end of its
+        grammar) or reaches max_tokens. Its grammar's matcher takes each token once: a preemption by
+        recompute prefills the tokens it took again, and only the token sampled after them is new."""
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         token = sampled.token
         self.token_ids.append(token)
         self.logprobs.append(sampled.logprob)
         self.top_logprobs.append(sampled.top)
-        if token in self.stop_ids:
+        if self.grammar is not None and not self.grammar.advance(self.token_ids):
+            self.finish("error", f"the structured output's grammar refused token {token}")
+        elif token in self.stop_ids or (self.grammar is not None and self.grammar.terminated):
             self.finish("stop")
         elif len(self.token_ids) >= self.params.max_tokens:
             self.finish("length")

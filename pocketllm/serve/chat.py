@@ -14,7 +14,7 @@ from ..scheduler.stream import TokenDelta
 from .errors import APIError, EngineFailure, bad_request, sse_error
 from .protocol import ChatCompletionRequest, ChatMessage, message_dicts
 from .runs import ChoiceRun, ClientDisconnected, merged, until_disconnect
-from .state import ServerState, choice_specs, logprob, new_id, sampling_params, usage
+from .state import ServerState, choice_specs, logprob, new_id, sampling_params, structured_outputs, usage
 
 
 def _token(state: ServerState, token: int, lp: float, as_ids: bool) -> dict[str, Any]:
@@ -61,10 +61,12 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     prompt = chat_prompt(state, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
     top = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens, tokens_field = _max_tokens(req, len(prompt), state.max_seq_len)
+    structured, structured_field = structured_outputs(req)
     params = sampling_params(req, max_tokens, top, None,
                              {"logprobs": "top_logprobs", "max_tokens": tokens_field or "max_tokens"},
-                             state.bad_words(req.bad_words))
+                             state.bad_words(req.bad_words), structured)
     state.check_prompts([prompt], params, "messages", tokens_field)
+    await state.check_structured(params, structured_field)
     specs = choice_specs([prompt], req, [params], stops)
     try:
         with bad_request("messages"):

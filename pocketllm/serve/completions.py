@@ -21,7 +21,7 @@ from ..scheduler.stream import TokenDelta
 from .errors import APIError, EngineFailure, bad_request, sse_error
 from .protocol import CompletionRequest
 from .runs import ChoiceRun, ClientDisconnected, merged, until_disconnect
-from .state import ServerState, choice_specs, logprob, new_id, sampling_params, usage
+from .state import ServerState, choice_specs, logprob, new_id, sampling_params, structured_outputs, usage
 
 Entry = tuple[int, float | None, TopLogprobs | None]  # token, its logprob, the position's alternatives
 
@@ -79,9 +79,11 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     prompts, texts = _prompts(state, req.prompt)
     scoring = req.echo and req.logprobs is not None
     max_tokens = 1 if prompt_only else 16 if req.max_tokens is None else req.max_tokens
+    structured, structured_field = structured_outputs(req)
     params = sampling_params(req, max_tokens, req.logprobs, req.logprobs if scoring else None,
-                             {"prompt_logprobs": "logprobs"}, state.bad_words(req.bad_words))
+                             {"prompt_logprobs": "logprobs"}, state.bad_words(req.bad_words), structured)
     state.check_prompts(prompts, params, "prompt", None if req.max_tokens is None else "max_tokens")
+    await state.check_structured(params, structured_field)
     specs = choice_specs(prompts, req, [params] * len(prompts), stops)
     echoes = [text if text is not None else state.decode(p) for p, text in zip(prompts, texts)] if req.echo else None
     try:

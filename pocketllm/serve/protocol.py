@@ -2,24 +2,26 @@
 
 Types are checked strictly (a "5" is not an int) and unknown fields are refused: a parameter the
 engine does not implement must never be dropped silently. Parameters OpenAI or vLLM define that
-pocketllm does not implement are accepted only at their neutral value (REFUSED; `response_format`
-also as {"type": "text"}, and `parallel_tool_calls` at either value without tools); fields that
-change no output (`store`, `metadata`, `reasoning_effort`, `user`) are accepted and kept nowhere.
-Ranges are left to SamplingParams, whose errors name the field too.
+pocketllm does not implement are accepted only at their neutral value (REFUSED;
+`parallel_tool_calls` at either value without tools); fields that change no output (`store`,
+`metadata`, `reasoning_effort`, `user`) are accepted and kept nowhere. Ranges are left to
+SamplingParams, whose errors name the field too. Structured output is asked for by
+`response_format` (OpenAI's), or by vLLM's `guided_json`, `guided_regex`, `guided_choice`,
+`guided_grammar` or `structured_outputs` (`SamplingFields.constraints`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 # field -> the value that means "off": anything else is refused with a 400 naming the field.
 REFUSED: dict[str, Any] = {
     "best_of": None, "suffix": None, "use_beam_search": False,
-    "length_penalty": 1.0, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
-    "response_format": None,
-    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None}
+    "length_penalty": 1.0, "tools": None, "tool_choice": None, "functions": None, "function_call": None}
+# vLLM's guided_* fields -> the StructuredOutputsParams field each sets.
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class UnsupportedParameter(ValueError):
@@ -37,6 +39,21 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(StrictModel):
+    """OpenAI's `response_format.json_schema`; `strict` is taken at either value: the output always
+    follows the schema, with no property it does not name."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(StrictModel):
@@ -72,10 +89,13 @@ class SamplingFields(StrictModel):
     best_of: int | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    guided_json: Any = None
+    # Structured output (SamplingParams.structured_outputs): one of these at most.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams' fields
 
     def check_refused(self) -> None:
         """UnsupportedParameter for the first refused parameter set away from its neutral value."""
@@ -83,10 +103,27 @@ class SamplingFields(StrictModel):
             value = getattr(self, name, neutral)
             if name == "best_of" and value == self.n:  # best_of == n is plain sampling
                 continue
-            if name == "response_format" and value == {"type": "text"}:  # plain text: what is generated anyway
-                continue
             if value != neutral:
                 raise UnsupportedParameter(name, value)
+
+    def constraints(self) -> dict[str, dict[str, Any]]:
+        """field -> the StructuredOutputsParams fields it asks for, for each field that asks for
+        structured output (`response_format` {"type": "text"} asks for none: text is what is generated)."""
+        found: dict[str, dict[str, Any]] = {}
+        response_format = self.response_format
+        if response_format is not None and response_format.type == "json_object":
+            found["response_format"] = {"json_object": True}
+        elif response_format is not None and response_format.type == "json_schema":
+            if response_format.json_schema is None:
+                raise ValueError('response_format of type "json_schema" needs its json_schema '
+                                 '({"name": ..., "schema": {...}})')
+            found["response_format"] = {"json": response_format.json_schema.schema_}
+        for name, kind in GUIDED.items():
+            if getattr(self, name) is not None:
+                found[name] = {kind: getattr(self, name)}
+        if self.structured_outputs is not None:
+            found["structured_outputs"] = dict(self.structured_outputs)
+        return found
 
     def stop_strings(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -121,7 +158,6 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: Any = None
     parallel_tool_calls: bool | None = None  # with no tools (refused) either value changes nothing
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra field: variables of the chat template
 

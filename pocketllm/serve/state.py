@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import time
@@ -14,9 +15,12 @@ from typing import Any
 from ..async_llm import AsyncLLM
 from ..config import read_json_object
 from ..fingerprint import bits_fingerprint
+from ..grammar import GrammarError
 from ..outputs import TopLogprobs
 from ..sampling import SamplingParams
 from ..scheduler.request import validate_prompt
+from ..structured_outputs import StructuredOutputsParams
+from ..structured_outputs import structured_outputs as checked_structured_outputs
 from ..tokenizer import TOKENIZER_CONFIG_FILE, token_bytes
 from .errors import APIError, bad_request
 from .protocol import SamplingFields
@@ -83,6 +87,22 @@ class ServerState:
                                     f"max_seq_len is {self.max_seq_len}), got {params.max_tokens}", tokens_field)
             with bad_request(prompt_field, CONTROL_RENAMES, where=where):
                 validate_prompt(prompt, params, vocab_size, self.max_seq_len)
+
+    async def check_structured(self, params: SamplingParams, field: str | None) -> None:
+        """The request's structured output compiled (off the event loop: a first compile builds the
+        tokenizer's tables) before anything is submitted; a 400 naming `field` when it does not compile,
+        or when xgrammar is not installed."""
+        spec = params.structured_outputs
+        if spec is None or field is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.llm.grammars.compile, spec)
+        except GrammarError as exc:
+            label = _label(field, exc.kind)
+            raise APIError(400, str(exc) if label == f"structured_outputs.{exc.kind}" else f"{label}: {exc.reason}",
+                           field) from None
+        except (ValueError, ImportError) as exc:
+            raise APIError(400, f"{field}: {exc}", field) from None
 
     def bad_words(self, words: list[str] | None) -> tuple[tuple[int, ...], ...]:
         """`bad_words` as token id sequences, as vLLM tokenizes them: each word (leading spaces
@@ -151,10 +171,40 @@ class ServerState:
         return out
 
 
+def _label(field: str, kind: str) -> str:
+    """What an error about a structured output's `kind` calls it in the request's `field`."""
+    if field == "response_format":
+        return "response_format.json_schema.schema" if kind == "json" else field
+    return f"structured_outputs.{kind}" if field == "structured_outputs" else field
+
+
+def structured_outputs(req: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's structured-output constraint and the field that asked for it (None, None: none);
+    a 400 naming the field for a bad one, or for two fields that both ask."""
+    with bad_request("response_format"):
+        asked = req.constraints()
+    if not asked:
+        return None, None
+    if len(asked) > 1:
+        first, second = list(asked)[:2]
+        raise APIError(400, f"{first} and {second} both ask for structured output; set one of them", second)
+    field, spec = next(iter(asked.items()))
+    try:
+        return checked_structured_outputs(spec), field
+    except (ValueError, TypeError) as exc:
+        text = str(exc)
+        kind = next((k for k in spec if text.startswith(f"structured_outputs.{k}")), None)
+        if field != "structured_outputs" and kind is not None:
+            text = _label(field, kind) + text[len(f"structured_outputs.{kind}"):]
+        raise APIError(400, text, field) from None
+
+
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
-                    renames: dict[str, str], bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
-    """The request's SamplingParams (`bad_words`: its bad words as token ids, ServerState.bad_words);
-    a bad value is a 400 naming the request's field."""
+                    renames: dict[str, str], bad_words: tuple[tuple[int, ...], ...] = (),
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
+    """The request's SamplingParams (`bad_words`: its bad words as token ids, ServerState.bad_words;
+    `structured`: its structured output, `structured_outputs`); a bad value is a 400 naming the
+    request's field."""
     top_k = 0 if req.top_k == -1 else req.top_k  # vLLM's "off"
     seed = req.seed
     if seed is not None and -(2**63) <= seed < 0:  # OpenAI's seed is an int64: a negative one is its bit pattern
@@ -173,7 +223,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, 
                               repetition_penalty=req.repetition_penalty, logit_bias=bias, min_p=req.min_p,
                               min_tokens=req.min_tokens,
                               allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
-                              bad_words_token_ids=bad_words)
+                              bad_words_token_ids=bad_words, structured_outputs=structured)
 
 
 def choice_specs(prompts: Sequence[list[int]], req: SamplingFields, params: Sequence[SamplingParams],

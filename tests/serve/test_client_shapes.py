@@ -47,8 +47,8 @@ def test_neutral_fields_change_nothing(base_url):
     neutral = {"response_format": {"type": "text"}, "parallel_tool_calls": False, "store": True,
                "metadata": {"run": "a"}, "reasoning_effort": "low", "user": "u"}
     assert _post(base_url, "/v1/chat/completions", {**chat, **neutral}).json()["choices"] == plain
-    refused = _post(base_url, "/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
+    refused = _post(base_url, "/v1/chat/completions", {**chat, "tool_choice": "required"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice"
 
 
 def test_a_negative_seed_is_its_int64_bit_pattern(base_url):
