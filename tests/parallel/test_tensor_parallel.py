@@ -224,9 +224,37 @@ def _assert_with_history(engines: Engines, workload: Workload) -> None:
         with Engines(engines.path, engines.max_seq_len, engine_args=engines.engine_args,
                      batched_args=engines.batched_args, **engines.options) as new:
             fresh = len(mismatches(new, workload))
+            cached = _cache_differences(engines, new, workload)
         raise ContractViolation(f"{exc}\n\nthe same engines again: {again} mismatching requests; new engines in "
-                                f"this process: {fresh}\nthe engines' workloads so far, in order (replay them "
-                                f"with pocketllm.testing.engines.replay):\n{engines.history!r}") from None
+                                f"this process: {fresh}\n{cached}\nthe engines' workloads so far, in order (replay "
+                                f"them with pocketllm.testing.engines.replay):\n{engines.history!r}") from None
+
+
+def _cache_differences(engines: Engines, new: Engines, workload: Workload) -> str:
+    """Where rank 0's cached K/V of each job's prompt (in the slot that holds it, if one does) differs
+    from the new engines' (which ran the workload once, from empty slots): (job, layer, positions)."""
+    found = []
+    for size, llm in engines.batched.items():
+        if size not in new.batched:
+            continue
+        ours, theirs = llm.slots, new.batched[size].slots
+        for index, job in enumerate(workload.jobs):
+            prompt = list(job.prompt)
+            held = [s for s in range(ours.cache.num_slots) if ours.held_tokens(s)[:len(prompt)] == prompt]
+            clean = [s for s in range(theirs.cache.num_slots) if theirs.held_tokens(s)[:len(prompt)] == prompt]
+            if not held or not clean:
+                continue
+            n = len(prompt) - 1  # the positions every run wrote
+            for layer, (k, v) in enumerate(zip(ours.cache.k, ours.cache.v)):
+                if k is None or v is None:
+                    continue
+                k2, v2 = theirs.cache.k[layer], theirs.cache.v[layer]
+                assert k2 is not None and v2 is not None
+                rows = [p for p in range(n) if not (torch.equal(k[held[0], p], k2[clean[0], p])
+                                                     and torch.equal(v[held[0], p], v2[clean[0], p]))]
+                if rows:
+                    found.append(f"job {index} layer {layer} positions {rows}")
+    return "rank 0's cached K/V against new engines': " + ("; ".join(found) or "no difference found")
 
 
 @settings(max_examples=budget(0.05))
