@@ -254,7 +254,23 @@ def _cache_differences(engines: Engines, new: Engines, workload: Workload) -> st
                                                      and torch.equal(v[held[0], p], v2[clean[0], p]))]
                 if rows:
                     found.append(f"job {index} layer {layer} positions {rows}")
-    return "rank 0's cached K/V against new engines': " + ("; ".join(found) or "no difference found")
+    changed = [f"{size}: {path}" for size, llm in engines.batched.items() if size in new.batched
+               for path, tensor in _tensors(llm.model) if not torch.equal(tensor, dict(_tensors(
+                   new.batched[size].model))[path])]
+    return ("rank 0's cached K/V against new engines': " + ("; ".join(found) or "no difference found") +
+            "\nrank 0's weights and tables against new engines': " + (", ".join(changed) or "all equal"))
+
+
+def _tensors(obj: object, path: str = "model", depth: int = 6) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor reachable from `obj` through attributes, lists and tuples (weights, RoPE tables)."""
+    if isinstance(obj, torch.Tensor):
+        return [(path, obj)]
+    if depth == 0:
+        return []
+    if isinstance(obj, (list, tuple)):
+        return [t for i, item in enumerate(obj) for t in _tensors(item, f"{path}[{i}]", depth - 1)]
+    fields = vars(obj) if hasattr(obj, "__dict__") else {}
+    return [t for name, value in fields.items() for t in _tensors(value, f"{path}.{name}", depth - 1)]
 
 
 @settings(max_examples=budget(0.05))
