@@ -18,6 +18,7 @@ connections raises.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -62,6 +63,27 @@ class WorkerSpec:
     port: int
     replay: bool  # Gated DeltaNet replay buffers (see LLM._replay_buffers)
     threads: int  # torch threads: rank 0's, so every rank computes as a single process would
+
+
+def model_tensors(obj: Any, path: str = "model", depth: int = 6) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor a model computes with (weights, their shards, RoPE tables), by attribute path,
+    in the same order on every rank."""
+    if isinstance(obj, torch.Tensor):
+        return [(path, obj)]
+    if depth == 0:
+        return []
+    if isinstance(obj, (list, tuple)):
+        return [t for i, item in enumerate(obj) for t in model_tensors(item, f"{path}[{i}]", depth - 1)]
+    fields = vars(obj) if hasattr(obj, "__dict__") else {}
+    return [t for name, value in fields.items() for t in model_tensors(value, f"{path}.{name}", depth - 1)]
+
+
+def state_digest(model: Any) -> torch.Tensor:
+    """One int64 per tensor of `model_tensors`, a hash of its bytes: gathered from every rank and set
+    against a new engine's, it names the tensor of the rank whose state changed."""
+    return torch.tensor([int.from_bytes(hashlib.blake2b(t.detach().contiguous().cpu().view(torch.uint8).numpy()
+                                                        .tobytes(), digest_size=7).digest(), "little")
+                         for _, t in model_tensors(model)], dtype=torch.int64)
 
 
 def _worker_main(spec: WorkerSpec, status: multiprocessing.connection.Connection) -> None:
@@ -115,6 +137,8 @@ def _serve(tp: TensorParallel, model: Any, cache: SlotCache, device: torch.devic
             cache.swap_in(slot, swaps.pop(handle))
         elif name == "drop_swap":
             swaps.pop(payload[0], None)
+        elif name == "digest":
+            tp.all_gather(state_digest(model))
         elif name in ("reset", "forget", "save_prefix_state", "copy_prefix", "commit_kept"):
             getattr(cache, name)(*payload)
         else:
@@ -190,6 +214,12 @@ class Workers:
                 self.failed(exc)
         if message[0] == "forward":
             raise WorkerError(self.broken or "tensor-parallel workers stopped")
+
+    def digests(self, model: Any) -> list[torch.Tensor]:
+        """Every rank's `state_digest` of its model, in rank order (rank 0's from `model`)."""
+        self.send(["digest"])
+        assert self.tp is not None
+        return self.tp.all_gather(state_digest(model))
 
     def failed(self, exc: BaseException) -> WorkerError:
         """Record that a collective with the workers failed; stop them all. The error to raise."""

@@ -30,6 +30,7 @@ from pocketllm.parallel.shard import local_config, shard_plan
 from pocketllm.parallel.tree import REDUCTION_SHARDS, SIZES, tree_enabled, tree_sum
 from pocketllm.testing import ContractViolation, Engines, Job, Schedule, Workload, assert_batch_invariant, mismatches
 from pocketllm.testing.strategies import preemption_workloads, prefix_workloads
+from pocketllm.workers import model_tensors
 
 VOCAB = 256
 MAX_SEQ_LEN = 224
@@ -254,23 +255,24 @@ def _cache_differences(engines: Engines, new: Engines, workload: Workload) -> st
                                                      and torch.equal(v[held[0], p], v2[clean[0], p]))]
                 if rows:
                     found.append(f"job {index} layer {layer} positions {rows}")
-    changed = [f"{size}: {path}" for size, llm in engines.batched.items() if size in new.batched
-               for path, tensor in _tensors(llm.model) if not torch.equal(tensor, dict(_tensors(
-                   new.batched[size].model))[path])]
+    changed = _changed_tensors(engines, new)
     return ("rank 0's cached K/V against new engines': " + ("; ".join(found) or "no difference found") +
-            "\nrank 0's weights and tables against new engines': " + (", ".join(changed) or "all equal"))
+            "\neach rank's weights and tables against new engines': " + (", ".join(changed) or "all equal"))
 
 
-def _tensors(obj: object, path: str = "model", depth: int = 6) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor reachable from `obj` through attributes, lists and tuples (weights, RoPE tables)."""
-    if isinstance(obj, torch.Tensor):
-        return [(path, obj)]
-    if depth == 0:
-        return []
-    if isinstance(obj, (list, tuple)):
-        return [t for i, item in enumerate(obj) for t in _tensors(item, f"{path}[{i}]", depth - 1)]
-    fields = vars(obj) if hasattr(obj, "__dict__") else {}
-    return [t for name, value in fields.items() for t in _tensors(value, f"{path}.{name}", depth - 1)]
+def _changed_tensors(engines: Engines, new: Engines) -> list[str]:
+    """Each rank's weights and tables whose digest differs from the new engines' (tensor parallel)."""
+    changed = []
+    for size, llm in engines.batched.items():
+        other = new.batched.get(size)
+        if other is None or llm.workers is None or other.workers is None:
+            continue
+        names = [path for path, _ in model_tensors(llm.model)]
+        pairs = zip(llm.workers.digests(llm.model), other.workers.digests(other.model))
+        for rank, (ours, theirs) in enumerate(pairs):
+            changed += [f"max_batch_size {size}: rank {rank} {names[i]}"
+                        for i in (ours != theirs).nonzero().flatten().tolist()]
+    return changed
 
 
 @settings(max_examples=budget(0.05))
