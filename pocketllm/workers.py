@@ -78,12 +78,20 @@ def model_tensors(obj: Any, path: str = "model", depth: int = 6) -> list[tuple[s
     return [t for name, value in fields.items() for t in model_tensors(value, f"{path}.{name}", depth - 1)]
 
 
+def state_names(model: Any) -> list[str]:
+    """What `state_digest` hashes, in its order: the implementation of each op, the torch thread
+    count, then every tensor of `model_tensors`."""
+    return ["ops", "threads"] + [path for path, _ in model_tensors(model)]
+
+
 def state_digest(model: Any) -> torch.Tensor:
-    """One int64 per tensor of `model_tensors`, a hash of its bytes: gathered from every rank and set
-    against a new engine's, it names the tensor of the rank whose state changed."""
-    return torch.tensor([int.from_bytes(hashlib.blake2b(t.detach().contiguous().cpu().view(torch.uint8).numpy()
-                                                        .tobytes(), digest_size=7).digest(), "little")
-                         for _, t in model_tensors(model)], dtype=torch.int64)
+    """One int64 per entry of `state_names`, a hash: gathered from every rank and set against a new
+    engine's, it names what changed on which rank (a weight changed in place, another op chosen)."""
+    ops = [f"{f.__module__}.{getattr(f, '__qualname__', repr(f))}" for f in vars(model.ops).values()]
+    parts = [repr(ops).encode(), str(torch.get_num_threads()).encode()]
+    parts += [t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() for _, t in model_tensors(model)]
+    return torch.tensor([int.from_bytes(hashlib.blake2b(part, digest_size=7).digest(), "little") for part in parts],
+                        dtype=torch.int64)
 
 
 def _worker_main(spec: WorkerSpec, status: multiprocessing.connection.Connection) -> None:

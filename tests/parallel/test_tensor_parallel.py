@@ -30,7 +30,7 @@ from pocketllm.parallel.shard import local_config, shard_plan
 from pocketllm.parallel.tree import REDUCTION_SHARDS, SIZES, tree_enabled, tree_sum
 from pocketllm.testing import ContractViolation, Engines, Job, Schedule, Workload, assert_batch_invariant, mismatches
 from pocketllm.testing.strategies import preemption_workloads, prefix_workloads
-from pocketllm.workers import model_tensors
+from pocketllm.workers import state_names
 
 VOCAB = 256
 MAX_SEQ_LEN = 224
@@ -257,17 +257,19 @@ def _cache_differences(engines: Engines, new: Engines, workload: Workload) -> st
                     found.append(f"job {index} layer {layer} positions {rows}")
     changed = _changed_tensors(engines, new)
     return ("rank 0's cached K/V against new engines': " + ("; ".join(found) or "no difference found") +
-            "\neach rank's weights and tables against new engines': " + (", ".join(changed) or "all equal"))
+            "\neach rank's ops, threads, weights and tables against new engines': " +
+            (", ".join(changed) or "all equal"))
 
 
 def _changed_tensors(engines: Engines, new: Engines) -> list[str]:
-    """Each rank's weights and tables whose digest differs from the new engines' (tensor parallel)."""
+    """What differs on each rank from the new engines' (tensor parallel): op choices, thread count,
+    weights and tables, by their digests."""
     changed = []
     for size, llm in engines.batched.items():
         other = new.batched.get(size)
         if other is None or llm.workers is None or other.workers is None:
             continue
-        names = [path for path, _ in model_tensors(llm.model)]
+        names = state_names(llm.model)
         pairs = zip(llm.workers.digests(llm.model), other.workers.digests(other.model))
         for rank, (ours, theirs) in enumerate(pairs):
             changed += [f"max_batch_size {size}: rank {rank} {names[i]}"
