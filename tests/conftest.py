@@ -40,6 +40,17 @@ def single_torch_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.fixture(scope="module")
+def tiny_batched_llm(checkpoint_dir):
+    """A caller-stepped batched engine on the tiny checkpoint (4 slots, 96 positions), one per module."""
+    from pocketllm import LLM, EngineArgs
+
+    with LLM(EngineArgs(model=str(checkpoint_dir("tiny")), max_seq_len=96,
+                        backend_options={"enable_batching": True, "background_thread": False,
+                                         "max_batch_size": 4})) as engine:
+        yield engine
+
+
 @pytest.fixture(scope="session")
 def checkpoint_dir(pocketllm_checkpoint):
     """Factory: variant name (CHECKPOINT_VARIANTS, QWEN3_5_VARIANTS or MOE_VARIANTS) -> path of its

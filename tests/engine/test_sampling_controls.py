@@ -164,11 +164,8 @@ def test_generation_follows_the_oracle_on_transformers_logits(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def llm(checkpoint_dir):
-    with LLM(EngineArgs(model=str(checkpoint_dir("tiny")), max_seq_len=96,
-                        backend_options={"enable_batching": True, "background_thread": False,
-                                         "max_batch_size": 4})) as engine:
-        yield engine
+def llm(tiny_batched_llm):
+    return tiny_batched_llm
 
 
 def test_min_tokens_holds_back_eos_and_stop_tokens(llm):

@@ -68,11 +68,8 @@ def constrained(name: str, **fields) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def llm(checkpoint_dir):
-    with LLM(EngineArgs(model=str(checkpoint_dir("tiny")), max_seq_len=96,
-                        backend_options={"enable_batching": True, "background_thread": False,
-                                         "max_batch_size": 4})) as engine:
-        yield engine
+def llm(tiny_batched_llm):
+    return tiny_batched_llm
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
