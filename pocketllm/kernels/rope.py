@@ -4,17 +4,35 @@ cos/sin come from a table indexed by absolute position, built once, so a positio
 the same whichever batch it sits in.
 """
 
+import math
+from collections.abc import Callable
+
 import torch
+
+from .pointwise import elementwise_invariant
 
 
 def rope_table(head_dim: int, max_positions: int, theta: float,
                device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos and sin tables of shape [max_positions, head_dim] (head_dim: the rotary width)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
-    positions = torch.arange(max_positions, dtype=torch.float32, device=device)
-    freqs = positions[:, None] * inv_freq[None, :]
-    angles = torch.cat([freqs, freqs], dim=-1)
-    return angles.cos(), angles.sin()
+    """fp32 cos and sin tables of shape [max_positions, head_dim] (head_dim: the rotary width).
+
+    The angles are transformers' (fp32 inverse frequencies, fp32 position * frequency); their cos and
+    sin are libm's double results rounded to fp32, each entry computed on its own. torch's CPU cos and
+    sin run a tensor through a vector library in chunks split by the thread count (strided ones too,
+    through a buffer), and an entry's last bit depends on its chunk: a tensor-parallel worker that
+    built its table on another number of threads than rank 0 rotated keys past position ~100
+    differently and shifted logprobs by a few ulps."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / elementwise_invariant(lambda e: theta ** e, exponents)  # libm's powf per entry
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    angles = (positions[:, None] * inv_freq[None, :]).flatten().tolist()
+    half = (max_positions, head_dim // 2)
+
+    def table(fn: Callable[[float], float]) -> torch.Tensor:
+        values = torch.tensor([fn(a) for a in angles], dtype=torch.float64).float().reshape(half)
+        return torch.cat([values, values], dim=-1).to(device)
+
+    return table(math.cos), table(math.sin)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,12 @@ depend only on the relative position."""
 
 from __future__ import annotations
 
+import hashlib
 import math
+import subprocess
+import sys
 
+import mpmath
 import pytest
 import torch
 from kernel_cases import FORMULA_TOL as TOL
@@ -107,3 +111,47 @@ def test_apply_rope_full_and_partial(rotary):
     assert out.shape == x.shape and out.dtype == x.dtype
     torch.testing.assert_close(out.double(), _expected(x, positions, rotary, 1_000_000.0), atol=1e-5, rtol=0)
     assert torch.equal(out[..., rotary:], x[..., rotary:])
+
+
+def _rounded(value: mpmath.mpf) -> float:
+    """`value` rounded to fp32 (through its correctly rounded double)."""
+    return torch.tensor(float(value), dtype=torch.float64).float().item()
+
+
+def test_rope_table_entries_are_the_correctly_rounded_cos_and_sin_of_transformers_angles():
+    """Entry (p, j): cos/sin of the fp32 angle fp32(p) * fp32 inverse frequency (transformers'
+    angle), correct to the last bit (an mpmath oracle at 40 digits): no vector library's rounding."""
+    cos, sin = rope_table(32, 224, 1_000_000.0)
+    inv_freq = 1.0 / (1_000_000.0 ** (torch.arange(0, 32, 2).float() / 32))
+    angles = torch.arange(224, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    mpmath.mp.dps = 40
+    for p in range(0, 224, 7):
+        for j in range(16):
+            a = mpmath.mpf(angles[p, j].item())
+            assert cos[p, j].item() == cos[p, j + 16].item() == _rounded(mpmath.cos(a)), (p, j)
+            assert sin[p, j].item() == sin[p, j + 16].item() == _rounded(mpmath.sin(a)), (p, j)
+
+
+def test_rope_table_bits_do_not_depend_on_threads_process_or_length():
+    """The same table on 1 and 2 threads, in a new interpreter, and as the first rows of a longer
+    table. The table torch's `angles.cos()` built now and then had other bits (on this Intel Xeon:
+    in one process on 2 threads against 1, in 2 of 16 spawned processes): a tensor-parallel worker
+    then rotated keys past position ~100 differently from rank 0 (the TP property's 1-4 ulp
+    counterexample). That old table fails the oracle test above on every run."""
+    tables = []
+    for threads in (1, 2):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            tables.append(rope_table(128, 512, 1_000_000.0))
+        finally:
+            torch.set_num_threads(previous)
+    longer = rope_table(128, 2048, 1_000_000.0)
+    code = ("import hashlib, torch; from pocketllm.kernels.rope import rope_table; "
+            "c, s = rope_table(128, 512, 1_000_000.0); "
+            "print(hashlib.sha256(c.numpy().tobytes() + s.numpy().tobytes()).hexdigest())")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    ours = hashlib.sha256(tables[0][0].numpy().tobytes() + tables[0][1].numpy().tobytes()).hexdigest()
+    assert all(torch.equal(a, b) for a, b in zip(tables[0], tables[1]))
+    assert all(torch.equal(a, b[:512]) for a, b in zip(tables[0], longer))
+    assert other.stdout.strip() == ours

@@ -213,11 +213,11 @@ def tiny_engines(checkpoint_dir):
 
 def _assert_with_history(engines: Engines, workload: Workload) -> None:
     """assert_batch_invariant; a failure also says whether the same engines and new ones built in
-    this process give the mismatch again, and prints every workload the engines ran before (what
-    their slots hold depends on it; `pocketllm.testing.engines.replay` runs them again). Replaying
-    two recorded histories of this property's rare 1-ulp failure in a new process did not reproduce
-    it, and it showed on an engine's first workload: the first two lines tell the next failure's
-    reader whether the engine's state or the process decides it."""
+    this process give the mismatch again, where rank 0's cached K/V and each rank's weights, tables
+    and op choices differ from the new engines', and prints every workload the engines ran before
+    (`pocketllm.testing.engines.replay` runs them again). This property's rare 1-4 ulp failure did
+    not replay from its history: these lines found its cause, a worker's RoPE table built with
+    other bits (see kernels/rope.py)."""
     try:
         assert_batch_invariant(engines, workload)
     except ContractViolation as exc:
@@ -331,6 +331,22 @@ def test_a_hybrid_reusing_a_prefix_at_tp2_resumes_from_the_kept_states(checkpoin
         assert (stats.prefix_tokens_reused, stats.prefix_copies) == (2 * 64, 1)
     finally:
         engines.close()
+
+
+@pytest.mark.parametrize("variant", ["tiny", "qwen3.5"])
+def test_every_rank_holds_the_same_replicated_tensors(checkpoint_dir, variant):
+    """The tensors every rank holds whole (norm weights, RoPE tables), the op choices and the thread
+    count hash alike on both ranks (`Workers.digests`); sharded weights do not. Before the RoPE
+    table was computed entry by entry, torch's cos gave a worker another table now and then (its
+    bits followed the number of threads that built it): the TP property's rare 1-4 ulp failure."""
+    with LLM(EngineArgs(model=checkpoint_dir(variant), max_seq_len=MAX_SEQ_LEN, tensor_parallel_size=2)) as llm:
+        assert llm.workers is not None
+        names = state_names(llm.model)
+        rank0, rank1 = llm.workers.digests(llm.model)
+    whole = [i for i, name in enumerate(names) if name in ("ops", "threads") or "norm" in name or "rope" in name]
+    assert any("rope" in names[i] for i in whole)
+    assert [names[i] for i in whole if rank0[i] != rank1[i]] == []
+    assert any(rank0[i] != rank1[i] for i in range(len(names)) if i not in whole)
 
 
 @pytest.mark.slow  # four ranks on two cores
