@@ -88,15 +88,17 @@ def test_a_budget_dependent_cut_is_caught_without_exact_positions(tiny_checkpoin
     """Cuts that follow the step's token budget, with a prefill op that rounds a piece's first row
     apart: the cold serial run is cut elsewhere, so the bits differ (with exact positions any cut is
     allowed, so the check runs without them). Whether one workload shows it depends on the weights:
-    the first of a few that does is checked."""
+    the first of a few that does is checked. Eight tokens each: every decode step reads the nudged
+    rows' keys again (with three, 2 of 15 budgets showed it once the RoPE table moved by an ulp;
+    with eight, 14 of 15)."""
     overrides = {"prefill_attention": planted.prefill_attention_first_row_nudged}
     with Engines(tiny_checkpoint, max_seq_len=224, exact_positions=False,
                  engine_args={"op_overrides": overrides}) as engines:
-        jobs = _jobs(150, 120, 90, tokens=3)
+        jobs = _jobs(150, 120, 90, tokens=8)
         on_grid = Workload(jobs, 2, Schedule(chunk_size=64, snapshot_interval=64, budget_slack=0, prefix_reuse=False))
         assert_batch_invariant(engines, on_grid)
         messages = []
-        for budget_ in (200, 150, 260, 180):
+        for budget_ in (200, 150, 260, 180, 120, 100):
             cuts = planted.BudgetCuts(max_num_batched_tokens=budget_, chunk_size=0, snapshot_interval=0,
                                       prefix_reuse=False)
             try:
