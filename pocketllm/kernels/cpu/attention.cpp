@@ -3,100 +3,126 @@
 // keys 0 .. its position, whichever call computes it (exact positions on the CPU).
 //
 // Per query row at absolute position p and head h (K/V head h / group):
-//   s_j = dot(q, k_j) * scale for j = 0 .. p, the dot in 16 lanes over the head dim (lane l takes
-//       d = l, l + 16, ..., in increasing d, the tail zero-padded) summed in the tree of linear.cpp;
-//   m = max_j s_j;  e_j = exp(s_j - m);  z = sum_j e_j (in increasing j);
-//   out_d = (sum_j e_j * v_jd) / z, the sum in increasing j for every d.
-// Every multiply and add is rounded on its own (-ffp-contract=off, no reassociation); the clones
-// for AVX-512, AVX2 and the baseline vectorise across lanes and across d only, so they agree bit for
-// bit. Work items are blocks of rows and a K/V head; a row's arithmetic does not depend on its block,
-// so nothing depends on the batch, the piece or the threads.
+//   s_j = dot(q, k_j) * scale for j = 0 .. p, the dot in linear.cpp's order (16 lanes over the head
+//       dim, one FMA per element in increasing d, the tail zero-padded as one more step, the lane tree);
+//   m = max_j s_j;  e_j = exp_fixed(s_j - m) (below);  z = e_0 + e_1 + ... in increasing j, from +0;
+//   out_d = acc_d / z, where acc_d = fma(e_j, v_jd, acc_d) for j = 0 .. p in increasing j, from +0.
+// exp is this file's own (`exp_fixed`), not the C library's, so that it vectorises and gives the same
+// bits on every machine. A row's work is computed with zero weights past its last key (e = 0: each
+// such FMA adds +0 to a sum that is never -0, and z + 0 = z), so the keys a block reads beyond a row's
+// position change none of its bits. The AVX-512 and AVX2 variants (lanes.h, attend.h) run the same
+// operation sequence per output; work items are blocks of rows and a K/V head, and a row's
+// arithmetic does not depend on its block, so nothing depends on the batch, the piece or the threads.
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstring>
+#include <numeric>
+#include <string>
 #include <vector>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "lanes.h"
+
 namespace {
 
-inline float dot16(const float* a, const float* b, int64_t n) {
-  float lanes[16] = {0.0f};
-  int64_t d = 0;
-  for (; d + 16 <= n; d += 16)
-    for (int l = 0; l < 16; ++l) lanes[l] = lanes[l] + a[d + l] * b[d + l];
-  if (d < n)
-    for (int l = 0; l < 16; ++l) lanes[l] = lanes[l] + (d + l < n ? a[d + l] * b[d + l] : 0.0f);
-  for (int l = 0; l < 8; ++l) lanes[l] = lanes[l] + lanes[l + 8];
-  for (int l = 0; l < 4; ++l) lanes[l] = lanes[l] + lanes[l + 4];
-  for (int l = 0; l < 2; ++l) lanes[l] = lanes[l] + lanes[l + 2];
-  return lanes[0] + lanes[1];
+// e^x for x <= 0 (a softmax's score minus its maximum), within ~1 ulp: x = n ln2 + r with n the nearest
+// integer to x log2(e) (|r| <= ln2 / 2, ln2 in two parts, Cody and Waite), e^r by a degree-6 polynomial
+// (Cephes' expf coefficients) in Horner's form, times 2^n built from its bits; 0 below -87, where 2^n
+// would leave the normal range. Every step is one rounded fp32 operation or FMA as written, the same
+// whether the compiler vectorises it or not.
+inline float exp_fixed(float x) {
+  const float xc = std::max(x, -87.0f);
+  const float t = xc * 1.44269504088896341f;
+  const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 * 2^23 leaves no fraction bits
+  float r = std::fma(n, -0.693359375f, xc);
+  r = std::fma(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p, r * r, r) + 1.0f;
+  const uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.0f ? 0.0f : p * scale;
 }
 
-// Up to BLOCK consecutive query rows of one slot and the query heads of one K/V head: each key and
+// Up to BLOCK consecutive query rows of one slot with the query heads of one K/V head: each key and
 // value row is read once for all of them. It changes which loop runs first, not any row's arithmetic.
-constexpr int64_t BLOCK = 8;
+constexpr int64_t BLOCK = 16;
 
-struct Block {
-  const float* q;       // row t, head h at q + (t * heads + h) * dim
-  const float* keys;    // key j at keys + j * stride
+struct Item {
+  const float* q;             // row t, head h at q + (t * heads + h) * dim
+  const float* keys;          // key j at keys + j * stride
   const float* values;
-  const int64_t* positions;  // of rows t0 .. t0 + rows - 1
-  int64_t t0, rows, heads, h0, group, stride, dim;
+  const int64_t* positions;   // of rows t0 .. t0 + rows - 1
+  int64_t t0, n, heads, h0, group, stride, dim, length;  // n = rows x group vectors; keys 0 .. length - 1
   float scale;
-  float* out;
+  float* out;                 // as q
+  int64_t offset(int64_t i) const { return ((t0 + i / group) * heads + h0 + i % group) * dim; }
+  const float* query(int64_t i) const { return q + offset(i); }
+  float* output(int64_t i) const { return out + offset(i); }
+  int64_t last(int64_t i) const { return positions[t0 + i / group]; }
 };
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void attend(const Block& b, std::vector<float>& scores, std::vector<float>& top, std::vector<float>& total) {
-  const int64_t n = b.rows * b.group, length = b.positions[b.t0 + b.rows - 1] + 1, width = length;
-  auto query = [&](int64_t i) { return b.q + ((b.t0 + i / b.group) * b.heads + b.h0 + i % b.group) * b.dim; };
-  auto last = [&](int64_t i) { return b.positions[b.t0 + i / b.group]; };  // keys 0 .. last(i)
-  for (int64_t i = 0; i < n; ++i) top[i] = -INFINITY;
-  for (int64_t j = 0; j < length; ++j) {
-    const float* k = b.keys + j * b.stride;
-    for (int64_t i = 0; i < n; ++i) {
-      if (j > last(i)) continue;
-      const float s = dot16(query(i), k, b.dim) * b.scale;
-      scores[i * width + j] = s;
-      top[i] = std::max(top[i], s);
-    }
+// One thread's buffers for attend_item (attend.h), sized for the call's largest item.
+struct Scratch {
+  std::vector<float> qb, scores, lanes, sums, top, total, values_padded;
+  std::vector<int64_t> last;
+  Scratch(int64_t n, int64_t length, int64_t dim, int64_t lanes_floats) {
+    const int64_t dim16 = (dim + 15) / 16 * 16;
+    qb.resize(n * dim);
+    scores.resize(length * n);
+    lanes.assign(lanes_floats, 0.0f);
+    sums.resize(n * dim16);
+    top.resize(n);
+    last.resize(n);
+    total.resize(n);
+    if (dim != dim16) values_padded.resize(length * dim16);
   }
-  for (int64_t i = 0; i < n; ++i) {
-    total[i] = 0.0f;
-    for (int64_t j = 0; j <= last(i); ++j) {
-      scores[i * width + j] = std::exp(scores[i * width + j] - top[i]);
-      total[i] = total[i] + scores[i * width + j];
-    }
-    float* out = b.out + (query(i) - b.q);
-    std::fill(out, out + b.dim, 0.0f);
-  }
-  for (int64_t j = 0; j < length; ++j) {
-    const float* v = b.values + j * b.stride;
-    for (int64_t i = 0; i < n; ++i) {
-      if (j > last(i)) continue;
-      float* out = b.out + (query(i) - b.q);
-      const float e = scores[i * width + j];
-      for (int64_t d = 0; d < b.dim; ++d) out[d] = out[d] + e * v[d];
-    }
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    float* out = b.out + (query(i) - b.q);
-    for (int64_t d = 0; d < b.dim; ++d) out[d] = out[d] / total[i];
-  }
-}
+};
 
 }  // namespace
+
+namespace avx512 {
+#pragma GCC push_options
+#pragma GCC target("avx512f,fma")
+#include "tile.h"
+#include "attend.h"
+#pragma GCC pop_options
+}  // namespace avx512
+
+namespace avx2 {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#include "tile.h"
+#include "attend.h"
+#pragma GCC pop_options
+}  // namespace avx2
 
 // q [T, H, D] fp32 contiguous; k_cache, v_cache [slots, max_len, KV, D] fp32 contiguous;
 // row_slots, row_positions [T] int64 (each row's slot and absolute position) -> out [T, H, D].
 at::Tensor attention_rows(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor row_slots,
-                          at::Tensor row_positions, double scale) {
+                          at::Tensor row_positions, double scale, const std::string& variant) {
   for (const at::Tensor* t : {&q, &k_cache, &v_cache})
     TORCH_CHECK_VALUE(t->dtype() == at::kFloat && t->is_contiguous() && t->device().is_cpu(),
                       "attention_rows takes contiguous fp32 CPU tensors");
   TORCH_CHECK_VALUE(row_slots.dtype() == at::kLong && row_positions.dtype() == at::kLong,
                     "row_slots and row_positions must be int64");
+  TORCH_CHECK_VALUE(variant == "" || variant == "avx512" || variant == "avx2",
+                    "variant must be '', 'avx512' or 'avx2', got '", variant, "'");
+  __builtin_cpu_init();
+  const bool has_avx512 = __builtin_cpu_supports("avx512f");
+  TORCH_CHECK(has_avx512 || (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")),
+              "this CPU has neither AVX-512F nor AVX2 with FMA");
+  TORCH_CHECK(variant != "avx512" || has_avx512, "this CPU has no AVX-512F");
+  const bool wide = variant == "" ? has_avx512 : variant == "avx512";  // both give the same bits
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t max_len = k_cache.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
   at::Tensor out = at::empty({rows, heads, dim}, q.options());
@@ -114,18 +140,32 @@ at::Tensor attention_rows(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, 
   }
   starts.push_back(rows);
   const int64_t blocks = int64_t(starts.size()) - 1;
-  at::parallel_for(0, blocks * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(BLOCK * group * max_len), top(BLOCK * group), total(BLOCK * group);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t block = item / kv_heads, kvh = item % kv_heads, t0 = starts[block];
+  if (blocks == 0) return out;
+  // The longest blocks first, taken one at a time by whichever thread is free: causal blocks differ
+  // in length, and a static split would leave one thread the long ones. Who computes a block, never how.
+  std::vector<int64_t> order(blocks);
+  std::iota(order.begin(), order.end(), 0);
+  auto length_of = [&](int64_t b) { return positions[starts[b + 1] - 1] + 1; };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return length_of(a) > length_of(b); });
+  const int64_t longest = length_of(order[0]), items = blocks * kv_heads;
+  const int64_t lanes_floats = (std::max(avx512::TILE_OUTPUTS, avx2::TILE_OUTPUTS) + 16) * 16;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    Scratch scratch(BLOCK * group, longest, dim, lanes_floats);
+    for (int64_t item = next++; item < items; item = next++) {
+      const int64_t block = order[item / kv_heads], kvh = item % kv_heads, t0 = starts[block];
       const int64_t base = (slots[t0] * max_len * kv_heads + kvh) * dim;
-      attend({qp, kp + base, vp + base, positions, t0, starts[block + 1] - t0, heads, kvh * group, group,
-              kv_heads * dim, dim, float(scale), op}, scores, top, total);
+      const Item it{qp, kp + base, vp + base, positions, t0, (starts[block + 1] - t0) * group, heads, kvh * group,
+                    group, kv_heads * dim, dim, length_of(block), float(scale), op};
+      if (wide) avx512::attend_item(it, scratch);
+      else avx2::attend_item(it, scratch);
     }
   });
   return out;
 }
 
 void register_attention(pybind11::module& m) {
-  m.def("attention_rows", &attention_rows, "causal attention per query row, in the fixed order of attention.cpp");
+  m.def("attention_rows", &attention_rows, "causal attention per query row, in the fixed order of attention.cpp",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("row_slots"),
+        pybind11::arg("row_positions"), pybind11::arg("scale"), pybind11::arg("variant") = "");
 }

@@ -113,14 +113,14 @@ static constexpr int tile_outputs() {
 }
 static constexpr int TILE_OUTPUTS = tile_outputs();
 
-// `columns` for W in S shards of K columns each (shard s: ws[s], [N, K] contiguous; x's columns from
+// `columns` for W in S shards of K columns each (shard s: ws[s], [N, K] with rows ldw apart; x's columns from
 // s K on): each output the shard tree, (0+1), (2+3), ..., of its shards' products, each in the order
 // of `tile`. A tile's lanes for every shard go to `lanes` (S * TILE_OUTPUTS * 16 floats, the 16 past
 // the last zeroed by the caller) and their lane trees are `sums`, GROUP outputs at a time: the same
 // tree as Lanes::sum, a few instructions an output instead of one horizontal sum each.
 template <typename WT>
-static void shard_columns(const float* x, int64_t M, int64_t ldx, const WT* const* ws, int64_t S, int64_t K, float* y,
-                          int64_t ldy, int64_t n0, int64_t n1, float* lanes) {
+static void shard_columns(const float* x, int64_t M, int64_t ldx, const WT* const* ws, int64_t ldw, int64_t S, int64_t K,
+                          float* y, int64_t ldy, int64_t n0, int64_t n1, float* lanes) {
   float totals[64 * TILE_OUTPUTS];  // S <= 64
   for (int64_t m = 0; m < M; m += Lanes::ROWS) {
     const int rows = int(M - m < Lanes::ROWS ? M - m : Lanes::ROWS);
@@ -128,8 +128,8 @@ static void shard_columns(const float* x, int64_t M, int64_t ldx, const WT* cons
     for (int64_t n = n0; n < n1; n += width) {
       const int cols = int(n1 - n < width ? n1 - n : width), outputs = rows * cols;
       for (int64_t s = 0; s < S; ++s)
-        any_tile<Lanes::ROWS, Lanes::cols(Lanes::ROWS), WT, true>(rows, cols, x + m * ldx + s * K, ldx, ws[s] + n * K,
-                                                                 K, K, nullptr, lanes + s * outputs * 16, 0);
+        any_tile<Lanes::ROWS, Lanes::cols(Lanes::ROWS), WT, true>(rows, cols, x + m * ldx + s * K, ldx, ws[s] + n * ldw,
+                                                                 ldw, K, nullptr, lanes + s * outputs * 16, 0);
       sums(lanes, S * outputs, nullptr, totals);
       for (int64_t step = 1; step < S; step *= 2)
         for (int64_t s = 0; s < S; s += 2 * step)
