@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help=f"checkpoint preset (default {SCALES['full'].preset}; "
-                             f"{SCALES['quick'].preset} with --quick)")
+                             f"{SCALES['quick'].preset} with --quick); with --real-shapes, the one model measured "
+                             f"instead of Qwen3-0.6B and Qwen3.5-0.8B (e.g. qwen3-30b-a3b-2l)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"), help="output directory")
     parser.add_argument("--quick", action="store_true",
                         help="tiny preset, 8 requests per workload, max_batch_size 1, 2, 4: under a minute")
@@ -134,7 +135,7 @@ def _run(args: argparse.Namespace) -> int:
         if peer_missing is not None:
             print(f"pocketllm bench: skipping the vLLM peer: {peer_missing}", file=sys.stderr)
         print(run(args.out, args.quick, args.seed, "transformers_baseline" not in skipped, "plots" not in skipped,
-                  python if peer_missing is None else None))
+                  python if peer_missing is None else None, (args.preset,) if args.preset else None))
         return 0
     scale = SCALES["quick" if args.quick else "full"]
     preset = args.preset or scale.preset

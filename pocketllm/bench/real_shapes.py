@@ -26,7 +26,7 @@ each measurement prints a line as it finishes. `--quick` runs the tiny presets w
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -309,10 +309,13 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(out: Path, quick: bool, seed: int, with_transformers: bool, plots: bool, peer: str | None = None) -> str:
-    """Measure every model of the size (beside vLLM with `peer`, its environment's Python), write
-    real_shapes.json/.md (and .png); return the Markdown."""
+def run(out: Path, quick: bool, seed: int, with_transformers: bool, plots: bool, peer: str | None = None,
+        presets: tuple[str, ...] | None = None) -> str:
+    """Measure every model of the size, or `presets` at that size (beside vLLM with `peer`, its
+    environment's Python), write real_shapes.json/.md (and .png); return the Markdown."""
     size = SIZES["quick" if quick else "full"]
+    if presets:
+        size = replace(size, presets=presets)
     machine = machine_info()
     kernels = kernel_info()
     print(f"real shapes on {machine['processor']}, {machine['torch_threads']} threads, fixed-order kernel: "

@@ -21,7 +21,9 @@ grouped by expert, so a token's bits depend only on that token.
   linear's fixed DECODE_ROW_TILE-row GEMM calls (`linear.linear_row_invariant`), for decode and
   prefill rows alike, so a row's bits depend on the row, never on how many rows chose its expert.
 - `moe_fixed_order` (the torch backend with exact positions, where the C++ kernels build): each
-  expert's product by the fixed-order C++ kernel of `linear.linear_fixed_order`.
+  expert's product by the fixed-order C++ kernel of `linear.linear_fixed_order`; for fp32 rows every
+  expert in one C++ call (`kernels/cpu/moe.cpp`: the grouping, the products and the SiLU-and-multiply
+  with no Python per expert), the same bits.
 - `moe_triton`: a grouped GEMM, as vLLM's and SGLang's fused MoE, made invariant: (token, rank)
   pairs sorted by expert (stable), each expert's pairs padded to whole BLOCK_M row blocks; one
   kernel computes gate and up of a block (fixed tiles, K in fixed BLOCK_K steps, no split-K) and
@@ -37,6 +39,7 @@ import torch.nn.functional as F
 
 from ._cases import randn
 from ._triton import kernel_device_ok, launch_device_type, tl, triton
+from .cpu.extension import load_extension
 from .linear import TILES, linear_fixed_order, linear_row_invariant
 from .pointwise import elementwise_invariant
 from .silu_and_mul import silu_and_mul_ref
@@ -142,8 +145,15 @@ def moe_row_invariant(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
 
 def moe_fixed_order(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
                     w_down: torch.Tensor) -> torch.Tensor:
-    """Each expert's product by the C++ fixed-order kernel (RuntimeError where it cannot be built)."""
+    """Each expert's product by the C++ fixed-order kernel (RuntimeError where it cannot be built): fp32
+    rows on the CPU in one call for all experts, other dtypes one call of the kernel per expert."""
     _check(x, topk_ids, topk_weights, w_gate_up, w_down)
+    module = load_extension()
+    if module is not None and x.dtype == torch.float32 and x.device.type == "cpu" \
+            and w_gate_up.dtype == w_down.dtype and w_down.dtype in (torch.float32, torch.bfloat16):
+        tokens, top_k = topk_ids.shape
+        experts = module.moe_experts(x, topk_ids.long(), w_gate_up, w_down)
+        return combine(experts.view(tokens, top_k, x.shape[1]), topk_weights, x.dtype)
     return combine(experts_by_group(x, topk_ids, w_gate_up, w_down, linear_fixed_order), topk_weights, x.dtype)
 
 

@@ -49,6 +49,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-moe-small": {**qwen3.PRESETS["small"], "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
                         "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
                         "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256},
+    # Qwen3-30B-A3B's widths (hidden 2048, 128 experts of width 768, top 8, 32 query and 4 K/V heads)
+    # in 2 of its 48 layers: the real-shape benchmark's MoE, at a size two engines hold in memory.
+    "qwen3-30b-a3b-2l": {**qwen3.PRESETS["qwen3-0.6b"], "architectures": ["Qwen3MoeForCausalLM"],
+                         "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+                         "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 4,
+                         "tie_word_embeddings": False, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                         "mlp_only_layers": [], "num_experts": 128, "num_experts_per_tok": 8,
+                         "moe_intermediate_size": 768},
 }
 
 FAMILY = Family("qwen3-moe", ("Qwen3MoeForCausalLM",), Qwen3MoeModel, expected_weights, qwen3.skip_weight, matrices,

@@ -7,7 +7,10 @@ the experts' SwiGLU contributions summed in rank order.
   one expert, every expert chosen), and its sum bitwise in rank order, not in expert order;
 - the implementation under test (by default the Triton grouped GEMM) and the torch backend's
   implementations against the reference on odd shapes (fp32 and fp16), and row / batch invariance:
-  every prefix of the rows and every permutation of them give each row the same bits.
+  every prefix of the rows and every permutation of them give each row the same bits;
+- `moe_fixed_order`'s one C++ call for every expert (fp32 rows, fp32 or bf16 experts) bitwise the same
+  kernel called once per expert (`experts_by_group` over `linear_fixed_order`), and its argument
+  errors naming what is wrong.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from kernel_impls import DEVICE, implementation
 from kernel_tolerances import assert_close
 
 from pocketllm.kernels.cpu.extension import load_extension
-from pocketllm.kernels.moe import combine, moe_fixed_order, moe_ref, moe_row_invariant, route
+from pocketllm.kernels.linear import linear_fixed_order
+from pocketllm.kernels.moe import combine, experts_by_group, moe_fixed_order, moe_ref, moe_row_invariant, route
 
 moe_impl = implementation("moe")
 TORCH_IMPLS = [moe_row_invariant] + ([moe_fixed_order] if load_extension() is not None else [])
@@ -152,6 +156,33 @@ def test_rows_are_invariant_to_their_batch(impl):
     perm = torch.randperm(21, generator=torch.Generator().manual_seed(10)).to(device)
     assert torch.equal(impl(x[perm], ids[perm], w[perm], w_gate_up, w_down), full[perm])
     assert impl(x[:0], ids[:0], w[:0], w_gate_up, w_down).shape == (0, 24)
+
+
+@pytest.mark.skipif(load_extension() is None, reason="pocketllm's C++ CPU kernels cannot be built here")
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter", [(1, 4, 2, 40, 24), (23, 8, 2, 40, 24),
+                                                                   (19, 16, 1, 33, 17), (40, 6, 6, 24, 40)])
+def test_one_call_for_every_expert_is_the_kernel_called_per_expert(weight_dtype, tokens, experts, top_k, hidden,
+                                                                   inter):
+    """fp32 rows take the one-call path (kernels/cpu/moe.cpp); it must be the per-expert calls' bits:
+    rows of 16 and more (the kernel's packed tiles) and fewer, experts no token chose, every expert
+    chosen."""
+    x, ids, w, w_gate_up, w_down = _case(tokens, experts, top_k, hidden, inter, torch.float32, seed=tokens, ties=False)
+    w_gate_up, w_down = w_gate_up.to(weight_dtype), w_down.to(weight_dtype)
+    per_expert = combine(experts_by_group(x, ids, w_gate_up, w_down, linear_fixed_order), w, x.dtype)
+    assert torch.equal(moe_fixed_order(x, ids, w, w_gate_up, w_down), per_expert)
+
+
+@pytest.mark.skipif(load_extension() is None, reason="pocketllm's C++ CPU kernels cannot be built here")
+def test_the_one_call_path_names_what_is_wrong():
+    x, ids, _, w_gate_up, w_down = _case(3, 4, 2, 24, 16, torch.float32, seed=1, ties=False)
+    moe_experts = load_extension().moe_experts
+    with pytest.raises(ValueError, match=r"topk_ids holds 4, outside \[0, 4\)"):
+        moe_experts(x, torch.full_like(ids, 4), w_gate_up, w_down)
+    with pytest.raises(ValueError, match="both fp32 or both bf16"):
+        moe_experts(x, ids, w_gate_up, w_down.bfloat16())
+    with pytest.raises(ValueError, match=r"w_gate_up must be \[E, 2I, H\]"):
+        moe_experts(x, ids, w_gate_up, w_down[:, :, :-1])
 
 
 @pytest.mark.gpu

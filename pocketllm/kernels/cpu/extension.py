@@ -1,5 +1,5 @@
 """Build and load the C++ CPU kernels (`linear.cpp`, `lanes.h`, `tile.h`, `attend.h`, `gated_delta.cpp`,
-`attention.cpp`, `rows.cpp`) once per process.
+`attention.cpp`, `rows.cpp`, `moe.cpp`) once per process.
 
 Built with `torch.utils.cpp_extension.load` on first use, into a directory named by a hash of the
 sources, their place, the flags and the torch version (so an edit, another checkout or a torch
@@ -29,7 +29,8 @@ import torch
 from . import build_lock
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("linear.cpp", "lanes.h", "tile.h", "attend.h", "gated_delta.cpp", "attention.cpp", "rows.cpp")
+SOURCES = ("linear.cpp", "lanes.h", "tile.h", "attend.h", "gated_delta.cpp", "attention.cpp", "rows.cpp",
+           "moe.cpp")
 # -ffp-contract=off: the source's FMAs are its intrinsics; the compiler fuses nothing else.
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)

@@ -258,14 +258,25 @@ at::Tensor linear_shards(at::Tensor x, std::vector<at::Tensor> shards, const std
   return parts[0];
 }
 
+// y [M, N] = x [M, K] (rows ldx apart) @ weight^T in the order above, weight [N, K] contiguous fp32 or
+// bf16: one product from C++ (moe.cpp's experts), on the variant `linear` would run.
+void linear_into(const float* x, int64_t ldx, int64_t M, int64_t K, const at::Tensor& weight, float* y) {
+  TORCH_CHECK_VALUE((weight.dtype() == at::kFloat || weight.dtype() == at::kBFloat16) && weight.dim() == 2 &&
+                        weight.size(1) == K && weight.is_contiguous() && weight.device().is_cpu(),
+                    "linear_into takes a contiguous fp32 or bf16 CPU weight [N, ", K, "]");
+  if (M > 0 && weight.size(0) > 0) run_any(variant_of("", M), x, ldx, M, K, {weight}, nullptr, y);
+}
+
 void register_gated_delta(pybind11::module& m);  // gated_delta.cpp
 void register_attention(pybind11::module& m);  // attention.cpp
 void register_rows(pybind11::module& m);  // rows.cpp
+void register_moe(pybind11::module& m);  // moe.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_gated_delta(m);
   register_attention(m);
   register_rows(m);
+  register_moe(m);
   m.def("linear", &linear, "y = x @ W^T (+ b) in the fixed reduction order", pybind11::arg("x"),
         pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("variant") = "");
   m.def("linear_shards", &linear_shards, "x @ W^T for W in K shards, their products summed in the fixed tree",

@@ -93,20 +93,23 @@ at::Tensor rms_norm_rows(at::Tensor x, at::Tensor weight, double eps, c10::optio
   return out;
 }
 
+// out [rows, inter] (contiguous) = silu(gate) * up of gate_up's rows (`stride` apart: gate, then up).
+void silu_and_mul_into(const float* gate_up, int64_t rows, int64_t inter, int64_t stride, float* out) {
+  at::parallel_for(0, rows * inter, GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      const int64_t r = e / inter, i = e % inter;
+      out[e] = silu(gate_up[r * stride + i]) * gate_up[r * stride + inter + i];
+    }
+  });
+}
+
 // gate_up [T, 2I] (gate, then up; rows contiguous) -> [T, I].
 at::Tensor silu_and_mul_rows(at::Tensor gate_up) {
   check_fp32(gate_up, "gate_up");
   TORCH_CHECK_VALUE(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [T, 2I]");
-  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   at::Tensor out = at::empty({rows, inter}, gate_up.options());
-  const float* ip = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows * inter, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t e = begin; e < end; ++e) {
-      const int64_t r = e / inter, i = e % inter;
-      op[e] = silu(ip[r * stride + i]) * ip[r * stride + inter + i];
-    }
-  });
+  silu_and_mul_into(gate_up.data_ptr<float>(), rows, inter, gate_up.stride(0), out.data_ptr<float>());
   return out;
 }
 

@@ -1,0 +1,70 @@
+// The experts of a mixture-of-experts layer in one call (`kernels/moe.py`, `moe_fixed_order`): the
+// (token, rank) pairs grouped by expert, each expert's rows through linear.cpp's fixed-order product
+// (gate and up), rows.cpp's SiLU-and-multiply, and the product again (down). A product's order is a
+// function of K alone, so a pair's bits are those of its row alone, whichever rows share its expert;
+// the grouping only decides which rows go through one call, and no Python runs per expert.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+
+void linear_into(const float* x, int64_t ldx, int64_t M, int64_t K, const at::Tensor& weight, float* y);  // linear.cpp
+void silu_and_mul_into(const float* gate_up, int64_t rows, int64_t inter, int64_t stride, float* out);  // rows.cpp
+
+// x [T, H] fp32; topk_ids [T, K] int64; w_gate_up [E, 2I, H] (gate rows, then up), w_down [E, H, I],
+// both fp32 or both bf16 -> [T * K, H]: row t * K + k is expert topk_ids[t, k]'s output for token t.
+at::Tensor moe_experts(at::Tensor x, at::Tensor topk_ids, at::Tensor w_gate_up, at::Tensor w_down) {
+  TORCH_CHECK_VALUE(x.dtype() == at::kFloat && x.dim() == 2 && x.device().is_cpu(), "x must be fp32 [T, H] on the CPU");
+  TORCH_CHECK_VALUE(topk_ids.dtype() == at::kLong && topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0),
+                    "topk_ids must be int64 [T, K]");
+  TORCH_CHECK_VALUE(w_gate_up.dim() == 3 && w_down.dim() == 3 && w_gate_up.dtype() == w_down.dtype() &&
+                        (w_gate_up.dtype() == at::kFloat || w_gate_up.dtype() == at::kBFloat16),
+                    "w_gate_up [E, 2I, H] and w_down [E, H, I] must be both fp32 or both bf16");
+  const int64_t tokens = x.size(0), top_k = topk_ids.size(1), hidden = x.size(1);
+  const int64_t experts = w_gate_up.size(0), inter = w_gate_up.size(1) / 2, pairs = tokens * top_k;
+  TORCH_CHECK_VALUE(w_gate_up.size(1) == 2 * inter && w_gate_up.size(2) == hidden && w_down.size(0) == experts &&
+                        w_down.size(1) == hidden && w_down.size(2) == inter,
+                    "w_gate_up must be [E, 2I, H] and w_down [E, H, I] for x [T, H]");
+  x = x.contiguous();
+  topk_ids = topk_ids.contiguous();
+  w_gate_up = w_gate_up.contiguous();
+  w_down = w_down.contiguous();
+  const int64_t* ids = topk_ids.data_ptr<int64_t>();
+  // The pairs by expert, in pair order within one (a counting sort).
+  std::vector<int64_t> start(experts + 1, 0), order(pairs);
+  for (int64_t p = 0; p < pairs; ++p) {
+    TORCH_CHECK_VALUE(ids[p] >= 0 && ids[p] < experts, "topk_ids holds ", ids[p], ", outside [0, ", experts, ")");
+    ++start[ids[p] + 1];
+  }
+  int64_t most = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    most = std::max(most, start[e + 1]);
+    start[e + 1] += start[e];
+  }
+  std::vector<int64_t> next(start.begin(), start.end() - 1);
+  for (int64_t p = 0; p < pairs; ++p) order[next[ids[p]]++] = p;
+  at::Tensor y = at::empty({pairs, hidden}, x.options());
+  at::Tensor rows = at::empty({most, hidden}, x.options()), gate_up = at::empty({most, 2 * inter}, x.options());
+  at::Tensor hidden_rows = at::empty({most, inter}, x.options()), down = at::empty({most, hidden}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float *yp = y.data_ptr<float>(), *rp = rows.data_ptr<float>(), *gp = gate_up.data_ptr<float>();
+  float *hp = hidden_rows.data_ptr<float>(), *dp = down.data_ptr<float>();
+  const size_t row_bytes = size_t(hidden) * sizeof(float);
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t n = start[e + 1] - start[e];
+    if (n == 0) continue;
+    const int64_t* chosen = order.data() + start[e];
+    for (int64_t r = 0; r < n; ++r) std::memcpy(rp + r * hidden, xp + chosen[r] / top_k * hidden, row_bytes);
+    linear_into(rp, hidden, n, hidden, w_gate_up[e], gp);
+    silu_and_mul_into(gp, n, inter, 2 * inter, hp);
+    linear_into(hp, inter, n, inter, w_down[e], dp);
+    for (int64_t r = 0; r < n; ++r) std::memcpy(yp + chosen[r] * hidden, dp + r * hidden, row_bytes);
+  }
+  return y;
+}
+
+void register_moe(pybind11::module& m) {
+  m.def("moe_experts", &moe_experts, "every (token, rank) pair's expert output, each product in linear.cpp's order");
+}
