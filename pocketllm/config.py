@@ -31,6 +31,7 @@ DTYPES: dict[DTypeName, torch.dtype] = {"float32": torch.float32, "bfloat16": to
                                         "float16": torch.float16}
 # dtype -> the weight dtypes it runs with, itself included: what the fixed-order kernel multiplies.
 MIXED_WEIGHT_DTYPES: dict[str, tuple[DTypeName, ...]] = {"float32": ("float32", "bfloat16")}
+BF16_PRODUCTS = ("dot", "widen")  # how bf16 weights under fp32 rows are multiplied (`bf16_product`)
 
 
 @dataclass
@@ -51,8 +52,13 @@ class EngineArgs:
     `weight_dtype` (None: `dtype`) is the dtype the weight matrices are kept in (every tensor of two or
     more dimensions but the Gated DeltaNet convolutions: the linear layers, the experts, the embedding
     and lm_head). "bfloat16" under dtype "float32" halves the bytes a decode step reads while rows stay
-    fp32 and accumulate in fp32 in the C++ kernel's fixed order (the bf16 values widened exactly), so it
-    needs the torch backend's fixed-order kernels (exact positions on, a C++ compiler here).
+    fp32 and accumulate in fp32 in the C++ kernel's fixed order, so it needs the torch backend's
+    fixed-order kernels (exact positions on, a C++ compiler here). `bf16_product` says how the linear
+    layers multiply those weights: "dot" (the default) rounds each row to bf16 and multiplies on the
+    CPU's bf16 dot-product instruction (its software form, with the same bits, on CPUs without it);
+    "widen" widens each weight to fp32 exactly and keeps the rows fp32, so the engine computes bit for
+    bit what an fp32 engine computes on the checkpoint's matrices rounded to bf16. Both keep every
+    invariance promise; the experts of MoE layers widen in both.
     """
 
     model: str
@@ -64,6 +70,7 @@ class EngineArgs:
     op_overrides: dict[str, ImplSpec] | None = None
     tensor_parallel_size: int = 1
     weight_dtype: DTypeName | None = None
+    bf16_product: str = "dot"
     options: Options = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +107,8 @@ def _check_engine_fields(args: EngineArgs) -> None:
     if args.weight_dtype is not None and args.weight_dtype not in weight_dtypes:
         raise ValueError(f"weight_dtype must be None or one of {weight_dtypes} with dtype {args.dtype!r}, got "
                          f"{short(args.weight_dtype)}")
+    if args.bf16_product not in BF16_PRODUCTS:
+        raise ValueError(f"bf16_product must be one of {BF16_PRODUCTS}, got {short(args.bf16_product)}")
     if isinstance(args.max_seq_len, bool) or not isinstance(args.max_seq_len, int) or args.max_seq_len < 2:
         raise ValueError(f"max_seq_len must be an int >= 2, got {short(args.max_seq_len)}")
     check_device(args.device)

@@ -14,7 +14,8 @@ checkpoint and the same prompts. Per model:
 
 pocketllm runs in each of CONFIGS: the default (the C++ fixed-order kernels, exact positions), the
 same kernels on their AVX2 variant (where the CPU has AVX-512 too: both must be fast, and they give
-the same bits), bf16 weights, the MKL tiles (what runs without a C++ compiler) and batch invariance
+the same bits), bf16 weights (on bf16 dot products, the default, and widened to fp32), the MKL tiles
+(what runs without a C++ compiler) and batch invariance
 off, so the cost of each promise is stated at each point. transformers runs in fp32, and in bf16
 beside the bf16-weight configuration; with `--peer vllm`, vLLM's CPU build in its own environment
 (`peer.py`) in fp32 and bf16, with whether its batched outputs equal its outputs alone. The report
@@ -80,6 +81,7 @@ CONFIGS: dict[str, Config] = {
     "pocketllm": Config(),
     "pocketllm (AVX2 kernel)": Config(engine_args={"op_overrides": AVX2}, needs_avx512=True),
     "pocketllm (bf16 weights)": Config(engine_args={"weight_dtype": "bfloat16"}),
+    "pocketllm (bf16 weights, widened)": Config(engine_args={"weight_dtype": "bfloat16", "bf16_product": "widen"}),
     "pocketllm (MKL tiles)": Config({"exact_positions": False}),
     "pocketllm (invariance off)": Config({"batch_invariant": False, "exact_positions": False}),
 }

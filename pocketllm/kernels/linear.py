@@ -160,6 +160,32 @@ def _fixed_order(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out.to(x.dtype)
 
 
+def linear_bf16_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 rows [M, K] x a bf16 weight [N, K] (+ an fp32 bias) -> fp32 [M, N] on bf16 dot products
+    (`kernels/cpu/linear.cpp`'s `linear_bf16_dot`): x rounded to bf16 as `x.to(torch.bfloat16)`
+    rounds it, each pair of elements one VDPBF16PS step (its products exact, its sums rounded once,
+    denormals flushed) in the fixed lane order and tree of `linear_fixed_order`. The instruction where
+    the CPU has AVX512-BF16, its software form with the same bits on any AVX2 CPU, the same sequence for
+    every row count (an odd K: one zero element more). Raises RuntimeError when the kernel cannot be
+    built here."""
+    return _bf16_dot(x, weight, bias, "")
+
+
+def linear_bf16_dot_avx2(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear_bf16_dot` in its software form (AVX2 FMAs), on any CPU: the instruction's bits."""
+    return _bf16_dot(x, weight, bias, "avx2")
+
+
+def _bf16_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, variant: str) -> torch.Tensor:
+    module = load_extension()
+    if module is None:
+        raise RuntimeError(f"linear 'bf16_dot' needs pocketllm's C++ CPU kernels: {unavailable_reason()}")
+    if x.dtype != torch.float32 or weight.dtype != torch.bfloat16 or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"linear 'bf16_dot' takes fp32 x and bias and a bf16 weight, got {x.dtype}, {weight.dtype}, "
+                         f"{None if bias is None else bias.dtype}")
+    return module.linear_bf16_dot(x, weight, bias, variant)
+
+
 def in_shards(linear: Callable[..., torch.Tensor], x: torch.Tensor, shards: Sequence[torch.Tensor]) -> torch.Tensor:
     """x @ W^T for W given as its K slices `shards` (a power of two of them, of equal width): each
     slice's product by `linear`, summed in the fixed tree (`_tree.tree_sum`). The order of a
@@ -175,18 +201,19 @@ def in_shards(linear: Callable[..., torch.Tensor], x: torch.Tensor, shards: Sequ
     return tree_sum([linear(x[:, i * width:(i + 1) * width].contiguous(), shard) for i, shard in enumerate(shards)])
 
 
-def _native_shards(variant: str) -> Callable[[torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]:
+def _native_shards(variant: str, dot: bool = False) -> Callable[[torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]:
     def run(x: torch.Tensor, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         module = load_extension()
         assert module is not None  # in_shards checked
-        return module.linear_shards(x, list(shards), variant)
+        return (module.linear_bf16_dot_shards if dot else module.linear_shards)(x, list(shards), variant)
     return run
 
 
 # The linear implementations whose kernel sums K shards itself (fp32 rows), bit for bit as
 # `in_shards` does with one call per shard.
 NATIVE_SHARDS: dict[Callable[..., torch.Tensor], Callable[[torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]] = {
-    linear_fixed_order: _native_shards(""), linear_fixed_order_avx2: _native_shards("avx2")}
+    linear_fixed_order: _native_shards(""), linear_fixed_order_avx2: _native_shards("avx2"),
+    linear_bf16_dot: _native_shards("", dot=True), linear_bf16_dot_avx2: _native_shards("avx2", dot=True)}
 
 
 # -- Triton ------------------------------------------------------------------------------------------
@@ -320,5 +347,6 @@ CASES = Layout(
      for members in ROWS + [[(1, 0)] * 9]])
 OP = OpSpec("linear", Linear, {"ref": linear_ref, "row_invariant": linear_row_invariant, "per_row": linear_per_row,
                                "fixed_order": linear_fixed_order, "fixed_order_avx2": linear_fixed_order_avx2,
+                               "bf16_dot": linear_bf16_dot, "bf16_dot_avx2": linear_bf16_dot_avx2,
                                "triton": linear_triton},
             order=60, cases=CASES, launches=_launches, cost=cost)

@@ -17,6 +17,8 @@ prefill_linear_triton = linear_triton
 # Its order does not depend on the row count, so prefill rows get the bits of the same rows decoded.
 prefill_linear_fixed_order = linear.linear_fixed_order
 prefill_linear_fixed_order_avx2 = linear.linear_fixed_order_avx2
+prefill_linear_bf16_dot = linear.linear_bf16_dot
+prefill_linear_bf16_dot_avx2 = linear.linear_bf16_dot_avx2
 
 
 def prefill_linear_row_invariant(x: torch.Tensor, weight: torch.Tensor,
@@ -40,6 +42,8 @@ OP = OpSpec("prefill_linear", Linear, {"ref": prefill_linear_ref, "row_invariant
                                        "decode_tiles": prefill_linear_decode_tiles,
                                        "fixed_order": prefill_linear_fixed_order,
                                        "fixed_order_avx2": prefill_linear_fixed_order_avx2,
+                                       "bf16_dot": prefill_linear_bf16_dot,
+                                       "bf16_dot_avx2": prefill_linear_bf16_dot_avx2,
                                        "triton": prefill_linear_triton},
             order=70, cases=linear.CASES,
             launches=_launches, cost=linear.cost)

@@ -1,10 +1,12 @@
 """bf16 weights under fp32 rows (`EngineArgs(weight_dtype="bfloat16")`): the weight matrices kept in
-bf16 (half the bytes a decode step reads), everything else in fp32, the products by the C++
-fixed-order kernel, which widens each weight exactly as it loads it.
+bf16 (half the bytes a decode step reads), everything else in fp32, the products by the C++ kernels.
 
-So an engine on bf16 weights computes exactly what an fp32 engine computes on the same checkpoint with
-its matrices rounded to bf16: the tests check that bit for bit, parity with transformers on that
-rounded checkpoint, batched == serial, and the configurations that cannot run it refused by name.
+With `bf16_product="widen"` the kernel widens each weight exactly as it loads it, so the engine computes
+exactly what an fp32 engine computes on the same checkpoint with its matrices rounded to bf16: the
+tests check that bit for bit, and parity with transformers on that rounded checkpoint. The default,
+"dot", multiplies rows rounded to bf16 on bf16 dot products: the tests check that it is what runs,
+batched == serial (the Hypothesis property), scoring == generation (exact positions), and closeness to
+"widen"; and the configurations that cannot run bf16 weights refused by name.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from safetensors.torch import load_file, save_file
 
 from pocketllm import LLM, EngineArgs, SamplingParams
 from pocketllm.kernels.cpu.extension import load_extension
+from pocketllm.kernels.linear import linear_bf16_dot
 from pocketllm.models.registry import is_matrix
-from pocketllm.testing import Engines, assert_batch_invariant
+from pocketllm.testing import Engines, assert_batch_invariant, assert_scoring_matches_generation
 from pocketllm.testing.strategies import workloads
 
 pytestmark = pytest.mark.skipif(load_extension() is None, reason="needs pocketllm's C++ CPU kernels")
@@ -49,7 +52,7 @@ def _engine(path, **args) -> LLM:
 
 def test_bf16_weights_compute_the_rounded_checkpoint_bit_for_bit(checkpoints):
     path, rounded = checkpoints
-    narrow = _engine(path, weight_dtype="bfloat16")
+    narrow = _engine(path, weight_dtype="bfloat16", bf16_product="widen")
     wide = _engine(rounded)
     *matrices, lm_head = narrow.model.linear_weights()
     assert {w.dtype for w in [*matrices, lm_head]} == {torch.bfloat16}
@@ -65,7 +68,7 @@ def test_bf16_weights_compute_the_rounded_checkpoint_bit_for_bit(checkpoints):
 def test_bf16_weights_match_transformers_on_the_rounded_weights(checkpoints):
     path, rounded = checkpoints
     hf = hf_model(rounded)
-    llm = _engine(path, weight_dtype="bfloat16")
+    llm = _engine(path, weight_dtype="bfloat16", bf16_product="widen")
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     want = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt):].tolist()
     got = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)).token_ids
@@ -85,13 +88,30 @@ def test_bf16_weights_batched_equals_serial_bitwise(bf16_engines, workload):
     assert_batch_invariant(bf16_engines, workload)
 
 
+def test_bf16_dot_products_are_the_default_exact_along_the_sequence_and_near_widening(checkpoints):
+    path, _ = checkpoints
+    dot = _engine(path, weight_dtype="bfloat16")
+    assert dot.model.ops.linear is linear_bf16_dot and dot.model.ops.prefill_linear is linear_bf16_dot
+    assert dot.tree_reduction  # the kernel sums its shards itself: the tree is free at one process too
+    params = SamplingParams(max_tokens=10, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
+    assert_scoring_matches_generation(dot, [[1, 2, 3], list(range(7, 60))], params)
+    widen = _engine(path, weight_dtype="bfloat16", bf16_product="widen")
+    greedy = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+    a, b = dot.generate(list(range(3, 40)), greedy), widen.generate(list(range(3, 40)), greedy)
+    assert a.logprobs != b.logprobs  # rows rounded to bf16: other bits...
+    assert abs(a.logprobs[0] - b.logprobs[0]) < 0.05  # ...within bf16's rounding
+
+
 @pytest.mark.parametrize("args,message", [
     ({"weight_dtype": "float16"}, "weight_dtype must be None or one of .*'bfloat16'.* with dtype 'float32'"),
     ({"weight_dtype": "float32", "dtype": "bfloat16"}, "weight_dtype must be None or one of \\('bfloat16',\\)"),
-    ({"weight_dtype": "bfloat16", "backend_options": {"exact_positions": False}},
+    ({"weight_dtype": "bfloat16", "backend_options": {"exact_positions": False}, "bf16_product": "widen"},
      "weight_dtype='bfloat16' with dtype='float32' needs the torch backend's C\\+\\+ fixed-order kernels.*linear, "
      "prefill_linear, moe"),
+    ({"weight_dtype": "bfloat16", "backend_options": {"exact_positions": False}},  # bf16 dot products: the experts
+     "weight_dtype='bfloat16' with dtype='float32' needs the torch backend's C\\+\\+ fixed-order kernels.*runs moe "),
     ({"weight_dtype": "bfloat16", "backend": "triton"}, "needs the torch backend's C\\+\\+ fixed-order kernels"),
+    ({"weight_dtype": "bfloat16", "bf16_product": "amx"}, "bf16_product must be one of \\('dot', 'widen'\\)"),
 ])
 def test_configurations_that_cannot_run_bf16_weights_are_refused(tiny_checkpoint, args, message):
     with pytest.raises(ValueError, match=message):

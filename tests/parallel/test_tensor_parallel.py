@@ -131,14 +131,16 @@ def test_tp2_greedy_equals_transformers(checkpoint_dir, variant):
         llm.close()
 
 
-@pytest.mark.parametrize("variant", ["tiny", "qwen3.5"])
-def test_with_default_options_tp1_and_tp2_give_the_same_bits(checkpoint_dir, variant):
+@pytest.mark.parametrize("variant,args", [("tiny", {}), ("qwen3.5", {}), ("tiny", {"weight_dtype": "bfloat16"})],
+                         ids=["tiny", "qwen3.5", "tiny-bf16-dot"])
+def test_with_default_options_tp1_and_tp2_give_the_same_bits(checkpoint_dir, variant, args):
     """No option set: one process sums its row-parallel products in the fixed tree (the C++ kernel
-    sums the shards itself), so TP=1 serial and TP=2 batched give the same tokens and logprobs."""
+    sums the shards itself), so TP=1 serial and TP=2 batched give the same tokens and logprobs; bf16
+    weights too, on bf16 dot products (their kernel sums its shards itself as well)."""
     path = checkpoint_dir(variant)
-    one = LLM(EngineArgs(model=path, max_seq_len=MAX_SEQ_LEN))
+    one = LLM(EngineArgs(model=path, max_seq_len=MAX_SEQ_LEN, **args))
     two = LLM(EngineArgs(model=path, max_seq_len=MAX_SEQ_LEN, tensor_parallel_size=2,
-                         backend_options={"enable_batching": True}))
+                         backend_options={"enable_batching": True}, **args))
     try:
         assert one.capabilities.tree_reduction and two.capabilities.tree_reduction
         prompts = [[(5 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((1, 30, 100))]

@@ -161,3 +161,32 @@ struct Lanes {
 #pragma GCC pop_options
 }  // namespace avx2
 
+// The bf16 dot-product lanes (linear.cpp's `linear_bf16_dot`): each 32-bit element is a pair of bf16s
+// (element 2i in its low half, 2i + 1 in its high half), and `fma` is one step of the instruction
+// VDPBF16PS on every lane: + x[2i+1] w[2i+1], then + x[2i] w[2i], each product exact in fp32 and each
+// sum rounded to nearest even; denormal inputs read as zero, denormal sums flushed to zero.
+namespace avx512dot {
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bf16,fma")
+struct Lanes : avx512::Lanes {
+  static inline V fma(V a, V b, V acc) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+};
+#pragma GCC pop_options
+}  // namespace avx512dot
+
+// The same step in two FMAs per half (the products are exact, so an FMA rounds as the instruction's
+// sum does), on any AVX2 CPU; run with DAZ and FTZ set (linear.cpp's `Denormals`), the instruction's
+// denormal rule.
+namespace avx2dot {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+struct Lanes : avx2::Lanes {
+  static inline __m256 high(__m256 v) { return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(int(0xFFFF0000u)))); }
+  static inline __m256 low(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(v), 16)); }
+  static inline __m256 pairs(__m256 a, __m256 b, __m256 acc) {
+    return _mm256_fmadd_ps(low(a), low(b), _mm256_fmadd_ps(high(a), high(b), acc));
+  }
+  static inline V fma(V a, V b, V acc) { return {pairs(a.lo, b.lo, acc.lo), pairs(a.hi, b.hi, acc.hi)}; }
+};
+#pragma GCC pop_options
+}  // namespace avx2dot

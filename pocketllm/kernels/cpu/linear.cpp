@@ -26,7 +26,9 @@
 #include <vector>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -46,6 +48,20 @@ namespace avx2 {
 #pragma GCC pop_options
 }  // namespace avx2
 
+namespace avx512dot {
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bf16,fma")
+#include "tile.h"
+#pragma GCC pop_options
+}  // namespace avx512dot
+
+namespace avx2dot {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#include "tile.h"
+#pragma GCC pop_options
+}  // namespace avx2dot
+
 // One instruction set's kernels (tile.h), for W of element type WT.
 template <typename WT>
 struct Kernels {
@@ -61,6 +77,7 @@ struct Variant {
   Kernels<BF16> bf16;
   void (*pack_rows)(const float*, int64_t, int64_t, int64_t, int, float*);
   int panel_rows;
+  bool flush_denormals;  // DAZ and FTZ while it runs: the bf16 dot products' rule (`Denormals`)
 
   template <typename WT>
   const Kernels<WT>& of() const {
@@ -70,10 +87,32 @@ struct Variant {
 };
 static constexpr Variant AVX512{{avx512::columns<float>, avx512::panel_columns<float>, avx512::shard_columns<float>},
                                 {avx512::columns<BF16>, avx512::panel_columns<BF16>, avx512::shard_columns<BF16>},
-                                avx512::pack_rows, avx512::PANEL_ROWS};
+                                avx512::pack_rows, avx512::PANEL_ROWS, false};
 static constexpr Variant AVX2{{avx2::columns<float>, avx2::panel_columns<float>, avx2::shard_columns<float>},
                               {avx2::columns<BF16>, avx2::panel_columns<BF16>, avx2::shard_columns<BF16>},
-                              avx2::pack_rows, avx2::PANEL_ROWS};
+                              avx2::pack_rows, avx2::PANEL_ROWS, false};
+// The bf16 dot products: x and W as pairs of bf16s in 32-bit elements (`linear_bf16_dot`); only their
+// fp32 kernels run (a pair is one "fp32" element of the tiles, which load and store it bit for bit).
+static constexpr Variant AVX512_DOT{
+    {avx512dot::columns<float>, avx512dot::panel_columns<float>, avx512dot::shard_columns<float>},
+    {avx512dot::columns<BF16>, avx512dot::panel_columns<BF16>, avx512dot::shard_columns<BF16>},
+    avx512dot::pack_rows, avx512dot::PANEL_ROWS, true};
+static constexpr Variant AVX2_DOT{{avx2dot::columns<float>, avx2dot::panel_columns<float>, avx2dot::shard_columns<float>},
+                                  {avx2dot::columns<BF16>, avx2dot::panel_columns<BF16>, avx2dot::shard_columns<BF16>},
+                                  avx2dot::pack_rows, avx2dot::PANEL_ROWS, true};
+
+// DAZ and FTZ on this thread while alive, where asked (VDPBF16PS's denormal rule, for its software
+// form and for the lane tree and bias of both forms); the thread's previous mode after.
+struct Denormals {
+  unsigned saved;
+  bool on;
+  explicit Denormals(bool on) : saved(_mm_getcsr()), on(on) {
+    if (on) _mm_setcsr(saved | 0x8040u);
+  }
+  ~Denormals() {
+    if (on) _mm_setcsr(saved);
+  }
+};
 static constexpr int SHARD_TILE_OUTPUTS = std::max(avx512::TILE_OUTPUTS, avx2::TILE_OUTPUTS);
 static_assert(avx512::PANEL_COLS == avx2::PANEL_COLS && avx512::PANEL_ROWS >= avx2::PANEL_ROWS,
               "one accumulator buffer fits both");
@@ -142,6 +181,7 @@ static void run(const Variant& variant, const float* xp, int64_t ldx, int64_t M,
     const int64_t block = block_columns(S * K), blocks = (N + block - 1) / block;
     std::atomic<int64_t> next{0};
     at::parallel_for(0, std::min(blocks, threads), 1, [&](int64_t, int64_t) {
+      const Denormals mode(variant.flush_denormals);
       std::vector<float> lanes(S == 1 ? 0 : (S * SHARD_TILE_OUTPUTS + 16) * 16, 0.0f);
       take_items(next, blocks, [&](int64_t i) {
         const int64_t n0 = i * block, n1 = std::min(N, (i + 1) * block);
@@ -160,6 +200,7 @@ static void run(const Variant& variant, const float* xp, int64_t ldx, int64_t M,
   // One parallel region (every region waits for all its threads to start): the threads pack x's
   // groups, wait until all are packed, then compute blocks of columns.
   at::parallel_for(0, std::min(S * blocks, threads), 1, [&](int64_t, int64_t) {
+    const Denormals mode(variant.flush_denormals);
     take_items(next_group, S * groups, [&](int64_t item) {
       const int64_t s = item / groups, g = item % groups;
       variant.pack_rows(xp + s * K, ldx, K, g * group, int(std::min(group, M - g * group)),
@@ -223,12 +264,73 @@ at::Tensor linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bia
   return y;
 }
 
+// x [M, K] fp32 as bf16 pairs: each element rounded to nearest even as torch's x.to(torch.bfloat16) does
+// (NaN to the quiet 0x7FC0), elements 2i and 2i + 1 of a row in 32-bit element i's low and high halves;
+// an odd K gets one zero element more.
+static at::Tensor bf16_pairs(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), pairs = (K + 1) / 2;
+  at::Tensor out = at::zeros({M, pairs}, x.options().dtype(at::kInt));
+  const uint32_t* in = reinterpret_cast<const uint32_t*>(x.data_ptr<float>());
+  uint16_t* halves = reinterpret_cast<uint16_t*>(out.data_ptr<int32_t>());
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t k = 0; k < K; ++k) {
+        const uint32_t u = in[r * K + k];
+        halves[r * 2 * pairs + k] =
+            (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0) : uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+      }
+  });
+  return out;
+}
+
+// The bf16 dot-product variant asked for: '' (the instruction where the CPU has AVX512-BF16, else its
+// software form), 'avx512' or 'avx2' (the software form); both give the same bits.
+static const Variant& dot_variant_of(const std::string& variant) {
+  TORCH_CHECK_VALUE(variant == "" || variant == "avx512" || variant == "avx2",
+                    "variant must be '', 'avx512' or 'avx2', got '", variant, "'");
+  __builtin_cpu_init();
+  const bool has_dot = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+  TORCH_CHECK(variant != "avx512" || has_dot, "this CPU has no AVX512-BF16");
+  TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), "this CPU has no AVX2 with FMA");
+  return variant == "avx2" || !has_dot ? AVX2_DOT : AVX512_DOT;
+}
+
+// y = x @ W^T (+ b) for fp32 x [M, K] and bf16 W [N, K] on bf16 dot products: x rounded to
+// bf16 (`bf16_pairs`), then the order of the top of this file with pairs for elements: lane j takes
+// the pairs p with p % 16 == j in increasing p (the tail of K % 32 elements zero-padded to one more
+// step), each pair one VDPBF16PS step (`lanes.h`: + the high elements' product, then + the low
+// ones'), the same lane tree, then the bias; denormals flushed throughout (DAZ, FTZ). "avx512" runs the
+// instruction (AVX512-BF16), "avx2" its software form with the same bits; every row count runs the same
+// sequence per output, so decode == prefill and batched == alone by construction.
+at::Tensor linear_bf16_dot(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias, const std::string& variant) {
+  check_operands(x, weight);
+  TORCH_CHECK_VALUE(weight.dtype() == at::kBFloat16, "linear_bf16_dot takes a bf16 weight, got ", weight.dtype());
+  const Variant& v = dot_variant_of(variant);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  // An odd K: W with one zero column more, as x gets one zero element (a pair's high half: + 0 * 0).
+  weight = K % 2 ? at::constant_pad_nd(weight, {0, 1}) : weight.contiguous();
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK_VALUE(b.dtype() == at::kFloat && b.dim() == 1 && b.size(0) == N, "bias must be fp32 [N] with N=", N);
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const at::Tensor pairs = bf16_pairs(x.contiguous());
+  const float* w = reinterpret_cast<const float*>(weight.data_ptr<at::BFloat16>());
+  run(v, reinterpret_cast<const float*>(pairs.data_ptr<int32_t>()), (K + 1) / 2, M, (K + 1) / 2, &w, 1, N,
+      bias.has_value() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>());
+  return y;
+}
+
 // x @ W^T for W given as S shards of equal width (W's K slices, in order: shard s holds features
 // [s K/S, (s+1) K/S)): each shard's product in the one order of `linear` on its slice of x, the S
 // products summed in a binary tree, (0+1), (2+3), ..., then pairs of those. The order in which a
 // tensor-parallel rank sums its shards and the ranks sum theirs (parallel/tree.py), in one call: no
 // copies of x's slices, no call of Python per shard.
-at::Tensor linear_shards(at::Tensor x, std::vector<at::Tensor> shards, const std::string& variant) {
+// `dot`: bf16 shards on bf16 dot products (`linear_bf16_dot`'s order per shard), the tree with
+// denormals flushed as that order's are.
+static at::Tensor shard_tree(at::Tensor x, std::vector<at::Tensor> shards, const std::string& variant, bool dot) {
   const int64_t S = int64_t(shards.size());
   TORCH_CHECK_VALUE(S >= 1 && (S & (S - 1)) == 0, "the number of shards must be a power of two, got ", S);
   const int64_t M = x.size(0), width = shards[0].size(1), N = shards[0].size(0);
@@ -236,19 +338,31 @@ at::Tensor linear_shards(at::Tensor x, std::vector<at::Tensor> shards, const std
   for (auto& shard : shards) {
     check_operands(x.narrow(1, 0, width), shard);
     TORCH_CHECK_VALUE(shard.size(0) == N && shard.dtype() == shards[0].dtype(), "the shards differ in shape or dtype");
-    shard = shard.contiguous();
+    TORCH_CHECK_VALUE(!dot || shard.dtype() == at::kBFloat16, "bf16 dot products take bf16 shards");
+    // bf16 dot products on an odd width: each shard one zero column more, as each slice of x (below)
+    shard = dot && width % 2 ? at::constant_pad_nd(shard, {0, 1}) : shard.contiguous();
   }
   TORCH_CHECK_VALUE(S <= 64, "at most 64 shards, got ", S);
-  const Variant& v = variant_of(variant, M);
+  const Variant& v = dot ? dot_variant_of(variant) : variant_of(variant, M);
   x = x.contiguous();
   at::Tensor parts = at::empty({M < PANEL_MIN_ROWS ? 1 : S, M, N}, x.options());
   if (M == 0 || N == 0) return parts[0];
   const int64_t size = M * N;
   float* pp = parts.data_ptr<float>();
-  run_any(v, x.data_ptr<float>(), S * width, M, width, shards, nullptr, pp);
+  if (dot) {
+    const int64_t padded = width + width % 2;
+    const at::Tensor pairs = bf16_pairs(width % 2 ? at::constant_pad_nd(x.view({M, S, width}), {0, 1}).view({M, S * padded}) : x);
+    std::vector<const float*> ws;
+    for (const auto& w : shards) ws.push_back(reinterpret_cast<const float*>(w.data_ptr<at::BFloat16>()));
+    run(v, reinterpret_cast<const float*>(pairs.data_ptr<int32_t>()), S * padded / 2, M, padded / 2, ws.data(), S, N,
+        nullptr, pp);
+  } else {
+    run_any(v, x.data_ptr<float>(), S * width, M, width, shards, nullptr, pp);
+  }
   if (M < PANEL_MIN_ROWS) return parts[0];  // summed by shard_columns
   for (int64_t step = 1; step < S; step *= 2)  // part s += part s + step, for s a multiple of 2 step
     at::parallel_for(0, size, 4096, [&](int64_t begin, int64_t end) {
+      const Denormals mode(v.flush_denormals);
       for (int64_t s = 0; s < S; s += 2 * step) {
         float* a = pp + s * size;
         const float* b = pp + (s + step) * size;
@@ -256,6 +370,15 @@ at::Tensor linear_shards(at::Tensor x, std::vector<at::Tensor> shards, const std
       }
     });
   return parts[0];
+}
+
+at::Tensor linear_shards(at::Tensor x, std::vector<at::Tensor> shards, const std::string& variant) {
+  return shard_tree(x, shards, variant, false);
+}
+
+// `linear_shards` on bf16 dot products: each shard `linear_bf16_dot`'s order, the same tree.
+at::Tensor linear_bf16_dot_shards(at::Tensor x, std::vector<at::Tensor> shards, const std::string& variant) {
+  return shard_tree(x, shards, variant, true);
 }
 
 // y [M, N] = x [M, K] (rows ldx apart) @ weight^T in the order above, weight [N, K] contiguous fp32 or
@@ -282,4 +405,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_shards", &linear_shards, "x @ W^T for W in K shards, their products summed in the fixed tree",
         pybind11::arg("x"), pybind11::arg("shards"), pybind11::arg("variant") = "");
   m.def("best_variant", &best_variant, "the instruction set the kernel runs by default");
+  m.def("linear_bf16_dot_shards", &linear_bf16_dot_shards, "linear_shards on bf16 dot products",
+        pybind11::arg("x"), pybind11::arg("shards"), pybind11::arg("variant") = "");
+  m.def("linear_bf16_dot", &linear_bf16_dot, "y = x @ W^T (+ b) for bf16 W on bf16 dot products, in one order",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("variant") = "");
 }
