@@ -44,8 +44,9 @@ class _FirstTokenClock:
         pass
 
 
-def _static_batch(model: Any, prompts: list[list[int]], new_tokens: int) -> float:
-    """One left-padded greedy batch, `new_tokens` for every row; returns when its first tokens came."""
+def _static_batch(model: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+    """One left-padded greedy batch, `new_tokens` for every row: when its first tokens came, and the
+    tokens each row generated."""
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[PAD_ID] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -55,14 +56,14 @@ def _static_batch(model: Any, prompts: list[list[int]], new_tokens: int) -> floa
                              do_sample=False, pad_token_id=PAD_ID, streamer=clock)
     if out.shape[1] != width + new_tokens:
         raise RuntimeError(f"transformers generated {out.shape[1] - width} tokens, planned {new_tokens}")
-    return clock.first_token_time
+    return clock.first_token_time, out[:, width:].tolist()
 
 
-def timed_generate(model: Any, prompt: list[int], new_tokens: int) -> tuple[float, float]:
-    """(TTFT, total time) in seconds of one greedy request generating exactly `new_tokens`."""
+def timed_generate(model: Any, prompt: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
+    """(TTFT, total time) in seconds of one greedy request generating exactly `new_tokens`, and its tokens."""
     start = time.perf_counter()
-    first = _static_batch(model, [prompt], new_tokens)
-    return first - start, time.perf_counter() - start
+    first, tokens = _static_batch(model, [prompt], new_tokens)
+    return first - start, time.perf_counter() - start, tokens[0]
 
 
 def run_transformers(model: Any, workload: Workload, batch_size: int) -> Run:
@@ -72,7 +73,7 @@ def run_transformers(model: Any, workload: Workload, batch_size: int) -> Run:
     start = time.perf_counter()
     for i in range(0, len(workload.prompts), batch_size):
         lens = workload.output_lens[i:i + batch_size]
-        first = _static_batch(model, workload.prompts[i:i + batch_size], max(lens)) - start
+        first = _static_batch(model, workload.prompts[i:i + batch_size], max(lens))[0] - start
         done = time.perf_counter() - start
         samples += [(first, done, n) for n in lens]
     wall = time.perf_counter() - start

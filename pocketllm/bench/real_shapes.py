@@ -100,6 +100,7 @@ class Point:
     batched_tokens_per_s: float
     prefill_s: float
     bytes_per_token: int
+    greedy: tuple[int, ...] = ()  # the batch-1 decode's tokens (greedy), where the engine reports them
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
@@ -132,9 +133,9 @@ def _prompt(rng: np.random.Generator, vocab: int, length: int) -> list[int]:
 
 
 def _pocketllm_alone(path: Path, decode_prompt: list[int], prefill_prompt: list[int], size: Size,
-                     config: Config) -> tuple[float, float, float, int]:
-    """(decode TTFT, decode TPOT, prefill TTFT, bytes per token) of one request at a time on the
-    serial path."""
+                     config: Config) -> tuple[float, float, float, int, tuple[int, ...]]:
+    """(decode TTFT, decode TPOT, prefill TTFT, bytes per token, the decoded tokens) of one request at a
+    time on the serial path."""
     args = EngineArgs(model=str(path), max_seq_len=MAX_SEQ_LEN,
                       backend_options={"enable_batching": False, **config.options}, **config.engine_args)
     with LLM(args) as llm:
@@ -145,7 +146,7 @@ def _pocketllm_alone(path: Path, decode_prompt: list[int], prefill_prompt: list[
         weights = token_bytes(llm)
     assert decoded.ttft_s is not None and decoded.total_time_s is not None and prefilled.ttft_s is not None
     tpot = (decoded.total_time_s - decoded.ttft_s) / (size.decode_tokens - 1)
-    return decoded.ttft_s, tpot, prefilled.ttft_s, weights
+    return decoded.ttft_s, tpot, prefilled.ttft_s, weights, tuple(decoded.token_ids)
 
 
 def _progress(preset: str, point: Point, size: Size, started: float) -> None:
@@ -157,10 +158,11 @@ def _progress(preset: str, point: Point, size: Size, started: float) -> None:
 def _transformers_point(path: Path, dtype: torch.dtype, name: str, decode_prompt: list[int],
                         prefill_prompt: list[int], workload: Workload, size: Size, weights: int) -> Point:
     model = load_transformers(path, dtype)
-    ttft, total = timed_generate(model, decode_prompt, size.decode_tokens)
-    prefill, _ = timed_generate(model, prefill_prompt, 1)
+    ttft, total, tokens = timed_generate(model, decode_prompt, size.decode_tokens)
+    prefill, _, _ = timed_generate(model, prefill_prompt, 1)
     static = run_transformers(model, workload, BATCH)
-    return Point(name, ttft, (total - ttft) / (size.decode_tokens - 1), static.tokens_per_s, prefill, weights)
+    return Point(name, ttft, (total - ttft) / (size.decode_tokens - 1), static.tokens_per_s, prefill, weights,
+                 tuple(tokens))
 
 
 def _peer_points(python: str, path: Path, decode_prompt: list[int], prefill_prompt: list[int], workload: Workload,
@@ -213,9 +215,9 @@ def measure_model(preset: str, size: Size, seed: int, with_transformers: bool,
         _progress(preset, points[-1], size, started)
     for name, config in chosen.items():
         started = time.perf_counter()
-        ttft, tpot, prefill, weights = _pocketllm_alone(path, decode_prompt, prefill_prompt, size, config)
+        ttft, tpot, prefill, weights, greedy = _pocketllm_alone(path, decode_prompt, prefill_prompt, size, config)
         batched = run_batched(path, workload, BATCH, engine_args=config.engine_args, **config.options)
-        points.append(Point(name, ttft, tpot, batched.tokens_per_s, prefill, weights))
+        points.append(Point(name, ttft, tpot, batched.tokens_per_s, prefill, weights, greedy))
         _progress(preset, points[-1], size, started)
     same: dict[str, Any] = {}
     if peer is not None:
@@ -225,6 +227,22 @@ def measure_model(preset: str, size: Size, seed: int, with_transformers: bool,
     return {"preset": preset, "matrix_parameters": params, "bytes_per_token": fp32_bytes,
             "prefill_tokens": size.prefill_tokens, "points": [asdict(p) for p in points],
             "peer_batched_equals_alone": same}
+
+
+def first_divergence(model: dict[str, Any]) -> dict[str, int | None]:
+    """Per pocketllm configuration: the first position where its greedy batch-1 decode differs from
+    transformers' (in bf16 for bf16 weights, fp32 otherwise), None where all tokens agree; only where
+    that transformers point ran."""
+    by_engine = {p["engine"]: p for p in model["points"]}
+    out: dict[str, int | None] = {}
+    for name, point in by_engine.items():
+        reference = by_engine.get("transformers (bf16)" if point["bytes_per_token"] < model["bytes_per_token"]
+                                  else "transformers")
+        if name.startswith(("transformers", VLLM)) or reference is None or not point["greedy"]:
+            continue
+        pairs = zip(point["greedy"], reference["greedy"])
+        out[name] = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+    return out
 
 
 def verdicts(model: dict[str, Any], bandwidth: float) -> dict[str, Any]:
@@ -307,6 +325,12 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", f"Memory-bandwidth limit for batch-1 decode in fp32: {v['bandwidth_limit_tokens_per_s']:.2f} "
                       f"tokens/s (bf16 weights: twice that). Reached, each of its own weight bytes: {shares} "
                       f"(goal {100 * BANDWIDTH_GOAL:.0f}%).", ""]
+        diverged = first_divergence(model)
+        if diverged:
+            agree = ", ".join(f"{name} {'all' if at is None else at}" for name, at in diverged.items())
+            lines += [f"Greedy batch-1 decode against transformers (bf16 weights against transformers in bf16), "
+                      f"tokens that agree before the first difference, of {report['size']['decode_tokens']}: "
+                      f"{agree}.", ""]
         lines += _peer_lines(model)
     return "\n".join(lines)
 

@@ -107,4 +107,9 @@ def test_real_shapes_quick_writes_every_point(tmp_path, monkeypatch, single_torc
         assert set(verdicts["decode_1"]["ratio"]) == set(ran)
     assert report["read_bandwidth_gb_s"] > 0
     assert "| batch-1 decode |" in (tmp_path / "real_shapes.md").read_text()
+    from pocketllm.bench.real_shapes import first_divergence
+
+    for model in report["models"]:  # every pocketllm configuration's greedy tokens against transformers'
+        assert set(first_divergence(model)) == set(ran)
+    assert "Greedy batch-1 decode against transformers" in (tmp_path / "real_shapes.md").read_text()
     assert (tmp_path / "real_shapes.png").read_bytes().startswith(PNG_SIGNATURE)

@@ -2,11 +2,13 @@
 case grid: against the reference within the one tolerance table, and (for the implementations an
 invariant engine runs, and any `--impl` under test) each member bitwise the same alone and in any
 batch, and prefill pieces bitwise the same as one piece. Interpreted Triton kernels run in fp32 on
-every other case (the interpreter is slow; each op's tests/kernels/test_<op>.py covers them further)."""
+every other case (the interpreter is slow; each op's tests/kernels/test_<op>.py covers them further).
+The products of bf16 weights run on the fp32 grid rounded to bf16 values (`BF16_WEIGHTS`)."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from kernel_impls import DEVICE, UNDER_TEST
 from pocketllm.kernels import backend_impls
 from pocketllm.kernels.registry import IMPLEMENTATIONS, OP_NAMES
 from pocketllm.lab.check import check_kernel, default_dtypes
-from pocketllm.testing.cases import op_cases
+from pocketllm.testing.cases import Case, op_cases
 
 # (op, implementation) pairs the engine runs when it promises invariance, plus the one under test.
 INVARIANT = {(op, name) for backend, flags in (("torch", (True, False, True)), ("torch", (True, True, False)),
@@ -28,6 +30,24 @@ PAIRS = [(op, name) for op in OP_NAMES for name in IMPLEMENTATIONS[op]]
 # CPU's and torch's choice. The engine does not promise it (the cuts are part of its configuration),
 # so these are not held to the split check.
 NOT_SPLIT_INVARIANT = {("prefill_attention", "fused")}
+# Products of bf16 weights under fp32 rows only (`weight_dtype="bfloat16"`): checked on the fp32 grid with
+# every value rounded to bf16's (kept in fp32, so the product's own rounding of x changes nothing and
+# the reference multiplies the same numbers), the weight handed over in bf16.
+BF16_WEIGHTS = {"bf16_dot", "bf16_dot_avx2"}
+
+
+def _bf16_valued(case: Case) -> Case:
+    def rounded(values: dict) -> dict:
+        return {k: v.bfloat16().float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                for k, v in values.items()}
+    return dataclasses.replace(case, shared=rounded(case.shared),
+                               members=[dataclasses.replace(m, tokens=rounded(m.tokens)) for m in case.members])
+
+
+def _with_bf16_weight(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return fn(x, weight.bfloat16(), bias)
+    return linear
 
 
 # Triton kernels that launch under the interpreter here; the costliest grid runs under `slow`.
@@ -42,7 +62,12 @@ def test_implementation_passes_the_op_checks(op, impl):
     cases = op_cases(op, (torch.float32,))[::2] if interpreted else op_cases(op, default_dtypes(DEVICE))
     if (op, impl) in NOT_SPLIT_INVARIANT:
         cases = [dataclasses.replace(case, splittable=False) for case in cases]
-    verdict = check_kernel(op, impl, device=DEVICE, cases=cases, invariance=(op, impl) in INVARIANT)
+    spec: str | Callable[..., torch.Tensor] = impl
+    if impl in BF16_WEIGHTS:
+        cases = [_bf16_valued(case) for case in cases if case.dtype == torch.float32]
+        spec = _with_bf16_weight(IMPLEMENTATIONS[op][impl])
+    invariance = (op, impl) in INVARIANT or impl in BF16_WEIGHTS  # the engine's bf16 weights run them
+    verdict = check_kernel(op, spec, device=DEVICE, cases=cases, invariance=invariance)
     assert verdict.ok, verdict.table()
 
 
