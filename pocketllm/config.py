@@ -18,6 +18,7 @@ from .config_fields import REQUIRED, CheckpointError, Fields, short
 from .kernels import backends
 from .kernels.registry import ImplSpec, check_overrides
 from .options import Options, parse_backend_options
+from .speculative import SpeculativeConfig, speculative_config
 
 # An untrusted config.json's layer count is bounded before anything is built per layer.
 MAX_LAYERS = 4096
@@ -59,6 +60,10 @@ class EngineArgs:
     "widen" widens each weight to fp32 exactly and keeps the rows fp32, so the engine computes bit for
     bit what an fp32 engine computes on the checkpoint's matrices rounded to bf16. Both keep every
     invariance promise; the experts of MoE layers widen in both.
+
+    `speculative` (None: off) is vLLM's `speculative_config` dict, e.g. {"method": "ngram",
+    "num_speculative_tokens": 4}, checked into `speculative_config` (see `pocketllm.speculative`):
+    drafts verified so that the output is bitwise the output without them.
     """
 
     model: str
@@ -71,7 +76,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     weight_dtype: DTypeName | None = None
     bf16_product: str = "dot"
+    speculative: dict[str, Any] | None = None
     options: Options = field(init=False, repr=False)
+    speculative_config: SpeculativeConfig | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_engine_fields(self)
@@ -79,6 +86,9 @@ class EngineArgs:
             check_overrides(self.op_overrides)
         self.options = parse_backend_options(self.backend_options)
         self.backend_options = self.options.as_dict()
+        self.speculative_config = speculative_config(self.speculative)
+        if self.speculative_config is not None:
+            self.speculative = self.speculative_config.as_dict()
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -34,6 +34,7 @@ from .sampling import SamplingParams, params_for
 from .scheduler import BatchScheduler, PrefillPolicy, Request, check_submission, is_array
 from .scheduler.policy import check_preemption_mode
 from .scheduler.slots import SlotManager
+from .scheduler.speculation import check_speculative, speculation_for
 from .scheduler.stream import TokenDelta
 from .tokenizer import load_tokenizer
 from .workers import ParallelCache, Workers
@@ -96,6 +97,7 @@ class LLM:
         if self.workers is not None:  # stopped after the scheduler (finalizers run newest first)
             weakref.finalize(self, self.workers.stop)
         check_preemption_mode(engine.preemption_mode, exact_positions)  # serial mode too: one configuration
+        check_speculative(args.speculative_config, exact_positions, self.cache.has_states)
         cfg = self.model_config
         self.grammars = Grammars(args.model, cfg.vocab_size, cfg.eos_token_ids, self.tokenizer)  # structured outputs
         self.scheduler: BatchScheduler | None = None
@@ -105,7 +107,7 @@ class LLM:
                                             request_ids=self._ids, policy=self.policy, max_waiting=engine.max_waiting,
                                             max_swap_bytes=engine.max_swap_bytes, detokenize=self._detokenizer(),
                                             exact_positions=exact_positions, preemption_mode=engine.preemption_mode,
-                                            grammars=self.grammars)
+                                            grammars=self.grammars, speculative=args.speculative_config)
             weakref.finalize(self, self.scheduler.stop)
         # What the slots hold: the scheduler's manager when batched, one for the serial path else.
         self.slots = self.scheduler.slots if self.scheduler is not None else SlotManager(self.cache, self.policy)
@@ -123,7 +125,7 @@ class LLM:
         """Model, cache and runner (with tensor parallelism: rank 0's shard, the workers started and
         joined), then the invariance check; returns whether outputs are batch invariant."""
         args = self.args
-        ops = self._op_table()
+        ops = op_table(self.args)
         replay = self._replay_buffers(ops)
         size = args.tensor_parallel_size
         native = args.torch_dtype == torch.float32 and {ops.linear, ops.prefill_linear} <= NATIVE_SHARDS.keys()
@@ -171,11 +173,8 @@ class LLM:
         if not (self.policy.snapshot_interval and self.policy.prefix_reuse and batched):
             return 0
         exact = self._exact_requested()
-        end = self._state_bytes(self._replay_buffers(self._op_table())) if exact else 0
+        end = self._state_bytes(self._replay_buffers(op_table(self.args))) if exact else 0
         return self.policy.kept_positions(self.args.max_seq_len - 1, exact) * self._state_bytes() + end
-
-    def _op_table(self) -> Ops:
-        return op_table(self.args)
 
     def _replay_buffers(self, ops: Ops) -> bool:
         """Whether Gated DeltaNet layers keep replay buffers: for exact positions, unless their op
@@ -230,7 +229,7 @@ class LLM:
         than the device's available memory: ValueError naming max_seq_len and max_batch_size."""
         cfg, args = self.model_config, self.args
         slots = cache_bytes(args.max_batch_size, args.max_seq_len, layer_specs(cfg), args.torch_dtype,
-                            self._replay_buffers(self._op_table()))
+                            self._replay_buffers(op_table(self.args)))
         rope = 2 * args.max_seq_len * cfg.rotary_dim * 4
         snapshots = args.max_batch_size * self._snapshot_bytes_per_slot()
         require_memory(slots + rope + snapshots, self.device,
@@ -255,7 +254,7 @@ class LLM:
     def make_request(self, prompt_tokens: list[int], params: SamplingParams) -> Request:
         """A request with a fresh id for an already validated prompt."""
         return Request(next(self._ids), prompt_tokens, params, params.resolved_seed(), self.model_config.eos_token_ids,
-                       grammar=self.grammars.state(params))
+                       grammar=self.grammars.state(params), speculation=speculation_for(self.args.speculative_config))
 
     # -- generation ------------------------------------------------------------------------
 

@@ -31,7 +31,10 @@ class SequenceInput:
     `keeps`: positions inside a prefill piece where the slot's recurrent states are kept on the way
     (`SlotCache.keep_state`), for prefix reuse. `history`: the request's tokens, which a sequence that
     samples needs when its params set a logits control (`SamplingParams.controls_logits`). `grammar`:
-    the matcher of a request with structured outputs, whose mask a sequence that samples applies."""
+    the matcher of a request with structured outputs, whose mask a sequence that samples applies.
+    `drafts`: a verify piece (speculative decoding), token_ids being [its last sampled token,
+    *drafts]: every row samples, as a decode step at its position would, and the drafts are accepted
+    in order while each equals the token sampled before it (`SequenceOutput.accepted`)."""
 
     slot: int
     start: int
@@ -44,6 +47,20 @@ class SequenceInput:
     keeps: tuple[int, ...] = ()
     history: TokenHistory | None = None
     grammar: GrammarState | None = None
+    drafts: tuple[int, ...] = ()
+
+    @property
+    def logit_rows(self) -> int:
+        """Rows before its sampling row that need logits: its scored rows, or a verify piece's drafted ones."""
+        return len(self.drafts) or len(self.targets)
+
+    def draw_history(self, row: int) -> TokenHistory | None:
+        """What its logits controls read when row `row` samples: in a verify piece, the history as
+        it would be had the drafts before that row been accepted."""
+        if self.history is None or not row:
+            return self.history
+        h = self.history
+        return TokenHistory(h.prompt, [*h.output, *self.drafts[:row]], h.stop_ids)
 
     @property
     def processes_logits(self) -> bool:
@@ -64,10 +81,13 @@ class TokenLogprob:
 @dataclass(frozen=True)
 class SequenceOutput:
     """What a forward gave one sequence: the token sampled after it (None: a piece inside its
-    prompt) and the scores of its first rows against `SequenceInput.targets`."""
+    prompt; a verify piece's: the one sampled after its first row), the scores of its first rows
+    against `SequenceInput.targets`, and a verify piece's tokens sampled after each accepted draft
+    (`accepted[i]` after drafts[i])."""
 
     sampled: TokenLogprob | None = None
     scores: tuple[TokenLogprob, ...] = ()
+    accepted: tuple[TokenLogprob, ...] = ()
 
 
 class NonFiniteOutputError(RuntimeError):
@@ -109,7 +129,7 @@ class ModelRunner:
         sampler on the sampling rows and the scoring op on the rest."""
         slots, starts, tokens, kinds = [s.slot for s in seqs], [s.start for s in seqs], [s.token_ids for s in seqs], \
             [s.decode for s in seqs]
-        samples, scores, keeps = [s.sample for s in seqs], [len(s.targets) for s in seqs], [s.keeps for s in seqs]
+        samples, scores, keeps = [s.sample for s in seqs], [s.logit_rows for s in seqs], [s.keeps for s in seqs]
         batch = ForwardBatch.build(slots, starts, tokens, kinds, self.device, samples, scores, keeps)
         self.cache.clear_kept()  # what a failed forward kept on the way is never committed
         if self.workers is None:
@@ -125,45 +145,60 @@ class ModelRunner:
             raise NonFiniteOutputError(f"the model produced non-finite logits (NaN or inf) for logit row(s) "
                                        f"{_false_rows(finite)} of {logits.shape[0]}")
         rows = iter(range(logits.shape[0]))  # sequence by sequence: its scored rows, then its sampling row
-        scored, sample_rows = [], []
+        scored: list[list[int]] = []
+        sample_rows: list[int | None] = []
         for s in seqs:
-            scored.append([next(rows) for _ in s.targets])
+            scored.append([next(rows) for _ in range(s.logit_rows)])
             sample_rows.append(next(rows) if s.sample else None)
-        sampled = self._sample(logits, [(s, row) for s, row in zip(seqs, sample_rows) if row is not None])
+        # A verify piece's rows, each a decode step's: the sampling row after every drafted one.
+        verify = {i: [*scored[i], row] for i, (s, row) in enumerate(zip(seqs, sample_rows))
+                  if s.drafts and row is not None}
+        draws = [_Draw(s, row, s.start + len(s.token_ids), s.history)
+                 for i, (s, row) in enumerate(zip(seqs, sample_rows)) if row is not None and i not in verify]
+        draws += [_Draw(seqs[i], row, seqs[i].start + j + 1, seqs[i].draw_history(j))
+                  for i, rows_of in verify.items() for j, row in enumerate(rows_of)]
+        sampled = self._sample(logits, draws)
+        emitted = {i: rows_of[:_verified(seqs[i], [sampled[row] for row in rows_of])] for i, rows_of in verify.items()}
         # Rows to score: every target, and each sampled token whose alternatives are asked for.
         wanted = [(row, target, s.params.prompt_logprobs or 0)
-                  for s, rows_of in zip(seqs, scored) for row, target in zip(rows_of, s.targets)]
-        wanted += [(row, sampled[row][0], s.params.logprobs) for s, row in zip(seqs, sample_rows)
-                   if row is not None and s.params.logprobs]
+                  for s, rows_of in zip(seqs, scored) if not s.drafts for row, target in zip(rows_of, s.targets)]
+        wanted += [(row, sampled[row][0], s.params.logprobs) for i, (s, row) in enumerate(zip(seqs, sample_rows))
+                   if row is not None and i not in verify and s.params.logprobs]
+        wanted += [(row, sampled[row][0], seqs[i].params.logprobs or 0) for i, rows_of in emitted.items()
+                   if seqs[i].params.logprobs for row in rows_of]
         tops = self._alternatives(logits, wanted)
-        return [SequenceOutput(
-            None if row is None else TokenLogprob(*sampled[row], tops[row][1] if row in tops else ()),
-            tuple(TokenLogprob(target, tops[r][0], tops[r][1]) for r, target in zip(rows_of, s.targets)))
-            for s, rows_of, row in zip(seqs, scored, sample_rows)]
 
-    def _sample(self, logits: torch.Tensor, rows: list[tuple[SequenceInput, int]]) -> dict[int, tuple[int, float]]:
-        """logit row -> (token, logprob) sampled there, for each (sequence, row) of `rows`. A sequence
-        with a grammar or logits controls samples from its row as they change it (`_processed`, row by
-        row) and reports the raw logprob, as the scoring op computes it."""
-        if not rows:
+        def token(row: int) -> TokenLogprob:
+            return TokenLogprob(*sampled[row], tops[row][1] if row in tops else ())
+
+        return [SequenceOutput(token(emitted[i][0]), accepted=tuple(map(token, emitted[i][1:]))) if i in emitted
+                else SequenceOutput(None if row is None else token(row), tuple(
+                    TokenLogprob(target, tops[r][0], tops[r][1]) for r, target in zip(rows_of, s.targets)))
+                for i, (s, rows_of, row) in enumerate(zip(seqs, scored, sample_rows))]
+
+    def _sample(self, logits: torch.Tensor, draws: list[_Draw]) -> dict[int, tuple[int, float]]:
+        """logit row -> (token, logprob) sampled there, for each of `draws`. A sequence with a grammar
+        or logits controls samples from its row as they change it (`_processed`, row by row) and
+        reports the raw logprob, as the scoring op computes it."""
+        if not draws:
             return {}
-        seqs = [s for s, _ in rows]
+        seqs = [d.seq for d in draws]
 
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)
 
-        raw = logits[column([row for _, row in rows], torch.int64)]
+        raw = logits[column([d.row for d in draws], torch.int64)]
         controlled = [i for i, s in enumerate(seqs) if s.processes_logits]
         picked = raw.clone() if controlled else raw
         for i in controlled:
-            picked[i] = _processed(raw[i], seqs[i])
+            picked[i] = _processed(raw[i], seqs[i], draws[i].history)
         tokens, logprobs = self.model.ops.sample(
             picked,
             column([0.0 if s.params.greedy else float(s.params.temperature) for s in seqs], torch.float32),
             column([s.params.top_k for s in seqs], torch.int64),
             column([float(s.params.top_p) for s in seqs], torch.float32),
             column([_as_int64(s.seed) for s in seqs], torch.int64),
-            column([s.start + len(s.token_ids) for s in seqs], torch.int64),
+            column([d.counter for d in draws], torch.int64),
         )
         if controlled:  # their logprobs are the raw distribution's (vLLM's default, "raw_logprobs")
             at = column(controlled, torch.int64)
@@ -173,7 +208,7 @@ class ModelRunner:
         if not bool(valid.all()):
             raise NonFiniteOutputError(f"the sampler returned a non-finite logprob or a token outside the vocabulary "
                                        f"for sequence(s) {_false_rows(valid)} of {len(seqs)}")
-        return {row: out for (_, row), out in zip(rows, zip(tokens.tolist(), logprobs.tolist()))}
+        return {d.row: out for d, out in zip(draws, zip(tokens.tolist(), logprobs.tolist()))}
 
     def _alternatives(self, logits: torch.Tensor, wanted: list[tuple[int, int, int]]
                       ) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
@@ -189,15 +224,35 @@ class ModelRunner:
         return {row: (lp, tuple(pair[:k])) for (row, _, k), lp, pair in zip(wanted, chosen.tolist(), pairs)}
 
 
-def _processed(row: torch.Tensor, seq: SequenceInput) -> torch.Tensor:
+@dataclass(frozen=True)
+class _Draw:
+    """One token to sample: the sequence, its logit row, the sampler's counter (the position the
+    token is drawn for) and the history its logits controls read."""
+
+    seq: SequenceInput
+    row: int
+    counter: int
+    history: TokenHistory | None
+
+
+def _verified(seq: SequenceInput, draws: list[tuple[int, float]]) -> int:
+    """How many tokens a verify piece emits: the token after its first row, then one more for each
+    draft, in order, that equals the token sampled before it."""
+    count = 1
+    while count <= len(seq.drafts) and draws[count - 1][0] == seq.drafts[count - 1]:
+        count += 1
+    return count
+
+
+def _processed(row: torch.Tensor, seq: SequenceInput, history: TokenHistory | None) -> torch.Tensor:
     """A sequence's row of logits as it samples from it: its grammar's mask first (as vLLM applies the
     structured-output bitmask before the sampler's controls), then its logits controls."""
     if seq.grammar is not None:
         row = seq.grammar.apply(row)
     if seq.params.controls_logits:
-        if seq.history is None:
+        if history is None:
             raise ValueError("a sequence whose params set logits controls needs its history (TokenHistory)")
-        row = process_row(row, seq.params, seq.history)
+        row = process_row(row, seq.params, history)
     return row
 
 

@@ -29,12 +29,14 @@ from ..options import PreemptionMode
 from ..outputs import GenerationResult
 from ..runner import ModelRunner
 from ..sampling import SamplingParams
+from ..speculative import SpeculativeConfig
 from .delivery import Callback, Delivery, Subscriber, TokenCallback, token_delta
 from .loop import SchedulerLoop
 from .planner import Planner
 from .policy import PrefillPolicy, check_policy, check_preemption_mode
 from .request import Request, RequestStatus, check_submission
 from .slots import SlotManager
+from .speculation import check_speculative, speculation_for
 from .stats import Counters, SchedulerStats
 from .stream import TokenDelta
 from .timeline import SlotEvent
@@ -55,7 +57,8 @@ class BatchScheduler(SchedulerLoop):
                  request_ids: Iterator[int] | None = None, policy: PrefillPolicy | None = None,
                  max_waiting: int = 0, max_swap_bytes: int = 0,
                  detokenize: Callable[[list[int]], str] | None = None, exact_positions: bool = False,
-                 preemption_mode: PreemptionMode = "swap", grammars: Grammars | None = None) -> None:
+                 preemption_mode: PreemptionMode = "swap", grammars: Grammars | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         """`max_waiting`: submissions refused (or made to wait) beyond this many waiting requests;
         `max_swap_bytes`: host memory preempted requests may hold (0: no limit, for both).
         `detokenize`: token ids -> text; with it, results and token deltas carry text.
@@ -64,10 +67,15 @@ class BatchScheduler(SchedulerLoop):
         `preemption_mode`: "swap" (a preempted slot copied to host memory and back) or "recompute"
         (the slot freed, the request's tokens prefilled again on readmission; needs exact_positions).
         `grammars`: compiles requests' structured outputs (SamplingParams.structured_outputs) at
-        submission and gives each its matcher; without it such a request is refused."""
+        submission and gives each its matcher; without it such a request is refused.
+        `speculative`: each request drafts tokens and a step verifies them (a verify piece in place of
+        its decode row, within the token budget); needs exact positions and a model without recurrent
+        states, where a verified row has its decode step's bits."""
         policy = policy if policy is not None else PrefillPolicy()
         check_policy(policy, cache.num_slots, max_seq_len, cache.has_states, exact_positions)
         check_preemption_mode(preemption_mode, exact_positions)
+        check_speculative(speculative, exact_positions, cache.has_states)
+        self.speculative = speculative
         self.runner, self.cache = runner, cache
         self.vocab_size, self.max_seq_len, self.eos_token_ids = vocab_size, max_seq_len, eos_token_ids
         self.max_waiting, self.grammars = max_waiting, grammars
@@ -301,7 +309,8 @@ class BatchScheduler(SchedulerLoop):
     def _queue(self, prompt: list[int], sampling: SamplingParams, priority: int, subscriber: Subscriber | None) -> int:
         grammar = None if self.grammars is None else self.grammars.state(sampling)  # compiled at the check
         request = Request(next(self._ids), prompt, sampling, sampling.resolved_seed(), self.eos_token_ids,
-                          priority=priority, subscriber=subscriber, grammar=grammar)
+                          priority=priority, subscriber=subscriber, grammar=grammar,
+                          speculation=speculation_for(self.speculative))
         self._requests[request.request_id] = request
         self.planner.enqueue(request)
         self.counters.counts["prompt_tokens"] += len(prompt)

@@ -65,31 +65,41 @@ class Planner:
     def plan(self) -> Work:
         """This step's work: swap out what must make room, then a decode row for every running
         request that has sampled, then prefill pieces in scheduling order (running requests before
-        waiting ones); the first piece that does not fit ends the step's prefill."""
+        waiting ones); the first piece that does not fit ends the step's prefill. Drafts (speculative
+        decoding) turn decode rows into verify pieces with the budget the running requests' pieces
+        leave, before waiting requests are admitted, so drafting never starves a prompt in progress."""
         self._preempt()
         live = sorted((r for r in self.running if not r.finished and not r.cancel_requested), key=lambda r: r.order)
-        work = [(r, r.decode_input()) for r in live if r.decoding]
-        budget = self.policy.max_num_batched_tokens - len(work)
-        for request in live:
-            if request.prefilling:
-                piece = self._piece(request, budget)
-                if piece is None:
-                    return work
-                budget -= len(piece.token_ids)
-                work.append((request, piece))
-        while self.waiting and self.slots.num_free > 0:
+        decoding = [r for r in live if r.decoding]
+        budget = self.policy.max_num_batched_tokens - len(decoding)
+        pieces: Work = []
+        stalled = False
+        for request in (r for r in live if r.prefilling):
+            piece = self._piece(request, budget)
+            if piece is None:
+                stalled = True
+                break
+            budget -= len(piece.token_ids)
+            pieces.append((request, piece))
+        work: Work = []
+        for request in decoding:
+            item = request.decode_input(most_drafts=budget)
+            budget -= len(item.token_ids) - 1
+            work.append((request, item))
+        work += pieces
+        while not stalled and self.waiting and self.slots.num_free > 0:
             request = self.waiting[0]
-            prefilling = any(item is not None and not item.decode for _, item in work)
+            prefilling = any(not item.decode and not item.drafts for _, item in work)
             try:
                 if not self._admit(request, budget, may_cut=not prefilling):
                     break
             except Exception as exc:  # it ends "error" (a slot it took is freed); the rest still run
                 self._fail_admission(request, exc)
                 continue
-            item = request.decode_input() if not request.prefilling else self._piece(request, budget)
-            assert item is not None  # _admit checked that it fits
-            budget -= len(item.token_ids)
-            work.append((request, item))
+            piece = request.decode_input(budget - 1) if not request.prefilling else self._piece(request, budget)
+            assert piece is not None  # _admit checked that it fits
+            budget -= len(piece.token_ids)
+            work.append((request, piece))
         for request, item in work:
             request.in_flight = item
         return work
@@ -194,7 +204,9 @@ class Planner:
             request.advance(seq, outcome)
             if outcome.sampled is not None:
                 sampled.append(request)
-            if seq.decode:
+            if seq.drafts:
+                self.counters.verified(len(seq.drafts), len(outcome.accepted))
+            if seq.decode or seq.drafts:
                 self.slots.decoded(request)
             else:
                 self.slots.prefilled(request, seq.keeps)

@@ -19,6 +19,7 @@ from ..outputs import FinishReason, GenerationResult, TopLogprobs
 from ..runner import SequenceInput, SequenceOutput, TokenLogprob
 from ..sampling import SamplingParams
 from .policy import PrefillPolicy
+from .speculation import Speculation
 
 if TYPE_CHECKING:
     from .stream import Subscriber
@@ -131,6 +132,7 @@ class Request:
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # per generated token
     prompt_scores: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (prompt_logprobs)
     grammar: GrammarState | None = None  # its structured output's matcher (params.structured_outputs)
+    speculation: Speculation | None = None  # its drafts, when the engine speculates
 
     @property
     def order(self) -> tuple[int, int]:
@@ -153,7 +155,7 @@ class Request:
     def cached_after_step(self) -> int:
         """`num_cached` once the forward in progress (if it has an input there) has succeeded:
         every position that input writes (a decode row or a prefill piece) is then cached."""
-        seq = self.in_flight
+        seq = self.in_flight  # a verify piece: at most all of its positions
         return self.num_cached if seq is None else seq.start + len(seq.token_ids)
 
     @property
@@ -192,11 +194,22 @@ class Request:
                              history=self.history() if sample else None, grammar=self.grammar if sample else None)
 
     def next_input(self, policy: PrefillPolicy) -> SequenceInput:
-        """The next prefill piece while they last, then a decode row."""
+        """The next prefill piece while they last, then a decode row (or verify piece)."""
         return self.prefill_input(policy) if self.prefilling else self.decode_input()
 
-    def decode_input(self) -> SequenceInput:
-        return SequenceInput(self.assigned_slot, self.num_cached, [self.token_ids[-1]], self.params, self.seed,
+    def decode_input(self, most_drafts: int | None = None) -> SequenceInput:
+        """A decode row, or with speculation and a draft at hand a verify piece of the last token and
+        up to `most_drafts` drafts (no more than the tokens it may still generate after the next).
+        A request with structured outputs does not draft: its matcher takes each token once."""
+        last, start = self.token_ids[-1], self.num_cached
+        room = self.params.max_tokens - len(self.token_ids) - 1
+        most = room if most_drafts is None else min(room, most_drafts)
+        drafts = [] if self.speculation is None or self.grammar is not None or most < 1 else \
+            self.speculation.propose(self.prompt_tokens + self.token_ids, most)
+        if drafts:
+            return SequenceInput(self.assigned_slot, start, [last, *drafts], self.params, self.seed,
+                                 history=self.history(), drafts=tuple(drafts))
+        return SequenceInput(self.assigned_slot, start, [last], self.params, self.seed,
                              decode=True, history=self.history(), grammar=self.grammar)
 
     def history(self) -> TokenHistory | None:
@@ -215,12 +228,17 @@ class Request:
     def advance(self, seq: SequenceInput, output: SequenceOutput) -> None:
         """Record a forward of `seq` that succeeded: the prompt advanced (its scores kept), a token
         was sampled, or both."""
-        if not seq.decode:
+        if not seq.decode and not seq.drafts:
             self.num_prefilled = seq.start + len(seq.token_ids)
         # A prefill run again after a recompute scores rows it scored before: those are kept as they were.
         self.prompt_scores += output.scores[max(len(self.prompt_scores) - seq.start, 0):]
         if output.sampled is not None:
             self.append(output.sampled)
+        for sampled in output.accepted:  # a verify piece's: as many decode steps would have given them
+            if not self.finished:
+                self.append(sampled)
+        if seq.drafts and self.speculation is not None:
+            self.speculation.verified(len(seq.drafts), len(output.accepted))
 
     def restart(self) -> None:
         """Preempted by recompute, its slot freed: once readmitted, it prefills its prompt and every

@@ -58,12 +58,20 @@ class SchedulerStats:
     swap_bytes_held: int  # host memory their slots take now
     swapped_bytes: int  # bytes copied out by every preemption so far
     uncollected: int  # ended requests whose result nobody has polled yet
+    spec_verifies: int  # verify pieces run (speculative decoding): one per drafting request and step
+    spec_draft_tokens: int  # tokens they drafted
+    spec_accepted_tokens: int  # ... of which accepted (each saved a decode step)
     ttft_mean_s: float
     ttft_p50_s: float
     ttft_p99_s: float
     total_time_mean_s: float
     total_time_p50_s: float
     total_time_p99_s: float
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verify piece emitted on average: 1 + its accepted drafts (0.0 before any ran)."""
+        return 1 + self.spec_accepted_tokens / self.spec_verifies if self.spec_verifies else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -93,12 +101,18 @@ class Counters:
         timeline's events of the forwards it took (more than one when a failed batch was rerun)."""
         if self.timeline is not None:
             self.timeline.extend(span.event(self.steps, self.started) for span in spans)
-        pieces = sum(not s.decode for s in seqs)
+        pieces = sum(not s.decode and not s.drafts for s in seqs)
         decoded = pieces < len(seqs)
         self.counts["prefill_chunks"] += pieces
         self.counts["prefill_batches"] += pieces > 0
         self.counts["decode_batches"] += decoded
         self.counts["mixed_steps"] += decoded and pieces > 0
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """A verify piece of `drafted` drafts accepted `accepted` of them."""
+        self.counts["spec_verifies"] += 1
+        self.counts["spec_draft_tokens"] += drafted
+        self.counts["spec_accepted_tokens"] += accepted
 
     def ended(self, request: Request) -> None:
         """A request that has reached its terminal state."""
@@ -123,7 +137,8 @@ class Counters:
             prefill_chunks=c["prefill_chunks"], mixed_steps=c["mixed_steps"], prefix_hits=c["prefix_hits"],
             prefix_copies=c["prefix_copies"], prefix_tokens_reused=c["prefix_tokens_reused"],
             preemptions=c["preemptions"], recomputes=c["recomputes"], recomputed_tokens=c["recomputed_tokens"],
-            swapped_bytes=c["swapped_bytes"],
+            swapped_bytes=c["swapped_bytes"], spec_verifies=c["spec_verifies"],
+            spec_draft_tokens=c["spec_draft_tokens"], spec_accepted_tokens=c["spec_accepted_tokens"],
             ttft_mean_s=mean(ttfts), ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
             total_time_mean_s=mean(totals), total_time_p50_s=percentile(totals, 50),
             total_time_p99_s=percentile(totals, 99), **now)

@@ -39,7 +39,8 @@ class Span:
 
     def event(self, step: int, started: float) -> SlotEvent:
         """The timeline's record of it, in seconds since `started`."""
-        return SlotEvent(step, "decode" if self.seq.decode else "prefill", self.seq.slot, self.request.request_id,
+        decodes = self.seq.decode or bool(self.seq.drafts)  # a verify piece decodes
+        return SlotEvent(step, "decode" if decodes else "prefill", self.seq.slot, self.request.request_id,
                          len(self.seq.token_ids), self.start - started, self.end - started)
 
 

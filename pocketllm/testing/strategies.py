@@ -116,17 +116,20 @@ def prompts(vocab: int, max_len: int = 64, min_len: int = 1) -> st.SearchStrateg
 def request_streams(vocab: int, max_prompt: int = 64, max_jobs: int = 12, max_tokens: int = 24,
                     max_batch_size: int = 8, system_prompts: bool = False, priorities: bool = False,
                     preemptions: int | None = None, schedule: bool = False,
-                    params: st.SearchStrategy[SamplingParams] | None = None) -> st.SearchStrategy[Workload]:
+                    params: st.SearchStrategy[SamplingParams] | None = None,
+                    repetitive: bool = False) -> st.SearchStrategy[Workload]:
     """Workloads: 1..max_jobs jobs arriving at steps 0..12, some cancelled, on 1..max_batch_size slots.
     `system_prompts`: prompts start with one of a few shared prefixes (40 to 160 tokens) or none, then
     1..40 tokens of their own (prefix reuse gets work). `priorities`: priorities 0..2, so later, more
     urgent requests preempt running ones when the slots are full. `preemptions`: besides, each job is
     preempted at `preemptions`..3 random steps, and half the prompts span several prefill pieces.
-    `schedule`: a drawn Schedule (budgets, chunk sizes, snapshot intervals, reuse) to run on."""
+    `schedule`: a drawn Schedule (budgets, chunk sizes, snapshot intervals, reuse) to run on.
+    `repetitive`: half the prompts repeat a short pattern (n-gram drafts find matches)."""
     where = "request_streams"
     check.positive(where, vocab=vocab, max_prompt=max_prompt, max_jobs=max_jobs, max_tokens=max_tokens,
                    max_batch_size=max_batch_size)
-    for name, value in (("system_prompts", system_prompts), ("priorities", priorities), ("schedule", schedule)):
+    for name, value in (("system_prompts", system_prompts), ("priorities", priorities), ("schedule", schedule),
+                        ("repetitive", repetitive)):
         check.flag(where, name, value)
     check.optional_int(where, "preemptions", preemptions, 0)
     if params is not None:
@@ -145,6 +148,8 @@ def request_streams(vocab: int, max_prompt: int = 64, max_jobs: int = 12, max_to
             prompt = prompts(vocab, max_prompt) | prompts(vocab, max_prompt, min_len=min(65, max_prompt))
         else:
             prompt = prompts(vocab, max_prompt)
+        if repetitive:
+            prompt = prompt | repetitive_prompts(vocab, max_prompt)
         job = st.builds(Job, prompt=prompt, params=job_params, arrival_step=st.integers(0, 12),
                         cancel_step=st.none() | st.integers(0, 10),
                         priority=st.integers(0, 2) if priorities else st.just(0), preempt_steps=preempt)
@@ -153,6 +158,27 @@ def request_streams(vocab: int, max_prompt: int = 64, max_jobs: int = 12, max_to
     systems = st.lists(prompts(vocab, 160, min_len=40), min_size=1, max_size=3) if system_prompts else st.just([])
     return st.builds(Workload, systems.flatmap(jobs_on), st.integers(1, max_batch_size),
                      schedules() if schedule else st.none())
+
+
+def repetitive_prompts(vocab: int, max_len: int = 64) -> st.SearchStrategy[tuple[int, ...]]:
+    """A pattern of 1..6 token ids below `vocab` repeated up to max_len tokens, then 0..3 of its own:
+    prompts on which a prompt lookup (n-gram drafts) finds matches, right or wrong."""
+    check.positive("repetitive_prompts", vocab=vocab, max_len=max_len)
+    token = st.integers(0, vocab - 1)
+    return st.tuples(st.lists(token, min_size=1, max_size=6), st.integers(1, max_len),
+                     st.lists(token, max_size=3)).map(
+        lambda parts: tuple((parts[0] * max_len)[:parts[1]] + parts[2])[:max_len])
+
+
+def speculation_workloads(vocab: int, max_prompt: int = 64, max_jobs: int = 6, max_tokens: int = 24
+                          ) -> st.SearchStrategy[Workload]:
+    """Repetitive and random prompts, priorities, forced preemptions and logprobs on 1..4 slots, on a
+    drawn Schedule: the runs a speculating engine must give the bits of one that does not."""
+    check.positive("speculation_workloads", vocab=vocab, max_prompt=max_prompt, max_jobs=max_jobs,
+                   max_tokens=max_tokens)
+    return request_streams(vocab, max_prompt, max_jobs, max_tokens, max_batch_size=4, priorities=True,
+                           preemptions=0, schedule=True, params=sampling_params(max_tokens, logprobs=True),
+                           repetitive=True)
 
 
 def workloads(vocab: int, max_prompt: int = 64, max_jobs: int = 12, max_tokens: int = 24

@@ -1,0 +1,105 @@
+"""Drafts for speculative decoding, one `Speculation` per request: what to propose, and how many.
+
+Proposing is the only part that may guess: the runner verifies every draft against the tokens the
+request's sampler draws (runner.py), so what is proposed changes the speed, never the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..speculative import SpeculativeConfig
+
+MAX_CANDIDATES = 64  # earlier occurrences of the last token a lookup examines, latest first
+MAX_BACKOFF = 16  # the most decode steps a request goes without drafting after its drafts missed
+
+
+def check_speculative(config: SpeculativeConfig | None, exact_positions: bool, has_states: bool) -> None:
+    """ValueError unless speculation (when asked for) is exact here: a verified row must have the bits
+    its decode step would, which exact positions give, and a partly accepted draft must leave no
+    trace, which a model with recurrent states (Gated DeltaNet) does not promise yet."""
+    if config is None:
+        return
+    if not exact_positions:
+        raise ValueError("speculative decoding needs exact positions (a verified row has its decode step's bits): "
+                         "this engine runs without them (the torch backend without a C++ compiler, or "
+                         "backend_options exact_positions=False or decode_per_row=True)")
+    if has_states:
+        raise ValueError("speculative decoding is not supported yet on models with Gated DeltaNet layers "
+                         "(Qwen3.5): a partly accepted draft would have to roll their recurrent states back")
+
+
+def speculation_for(config: SpeculativeConfig | None) -> Speculation | None:
+    """A new request's drafting under the engine's config (None: it does not speculate)."""
+    return None if config is None else Speculation(config)
+
+
+class NgramIndex:
+    """Where each token occurs in a request's tokens, grown as tokens come (a lookup then reads only
+    the occurrences of the last token, not the whole sequence)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.at: dict[int, list[int]] = {}
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for token in tokens[len(self.tokens):]:
+            self.at.setdefault(token, []).append(len(self.tokens))
+            self.tokens.append(token)
+
+    def propose(self, count: int, low: int, high: int) -> list[int]:
+        """Up to `count` tokens: those that followed an earlier occurrence of the longest n-gram,
+        `high` down to `low` tokens, that ends the tokens (none without a match); among equally long
+        matches the latest that is followed by `count` tokens, else the one followed by the most."""
+        tokens, n = self.tokens, len(self.tokens)
+        if n < 2 or count < 1:
+            return []
+        best, best_score = -1, (0, 0)
+        for end in reversed(self.at[tokens[-1]][-MAX_CANDIDATES - 1:-1]):  # end: an earlier occurrence
+            length = 1
+            while length < high and length <= end and tokens[end - length] == tokens[n - 1 - length]:
+                length += 1
+            score = (length, min(count, n - 1 - end))
+            if score > best_score:
+                best, best_score = end, score
+                if score == (high, count):
+                    break
+        if best_score[0] < low:
+            return []
+        return tokens[best + 1:best + 1 + count]
+
+
+class Speculation:
+    """A request's drafting: its n-gram index, how many tokens it drafts next (all of
+    num_speculative_tokens after a full hit, one more than it had accepted after a miss, and after
+    a miss of a single draft none for a number of steps that doubles up to MAX_BACKOFF, so a request
+    whose drafts never hit runs almost as without speculation), and its counts."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.index = NgramIndex()
+        self.width = config.num_speculative_tokens
+        self.backoff = self.wait = 0
+        self.drafted = self.accepted = self.verifies = 0
+
+    def propose(self, tokens: Sequence[int], most: int) -> list[int]:
+        """The drafts for the step after `tokens` (at most `most`)."""
+        if self.wait:
+            self.wait -= 1
+            return []
+        config = self.config
+        self.index.extend(tokens)
+        return self.index.propose(min(self.width, most), config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """A verify piece of `drafted` drafts accepted the first `accepted`."""
+        self.drafted, self.accepted, self.verifies = self.drafted + drafted, self.accepted + accepted, self.verifies + 1
+        if accepted == drafted:
+            self.width, self.backoff = self.config.num_speculative_tokens, 0
+        elif accepted:
+            self.width, self.backoff = accepted + 1, 0
+        else:
+            self.width = 1
+            if drafted == 1:
+                self.backoff = min(max(1, 2 * self.backoff), MAX_BACKOFF)
+                self.wait = self.backoff

@@ -1,0 +1,78 @@
+"""`EngineArgs(speculative={...})`: speculative decoding, checked once into a typed config.
+
+The keys are vLLM's `speculative_config` names. A draft only proposes: the engine verifies it in
+one forward whose rows have the bits of decode steps (exact positions) and accepts a drafted token
+exactly when it equals the token the request's own sampler draws there (same seed, same counter),
+so a request's tokens and logprobs are the same with and without speculation; a wrong draft costs
+time only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+METHODS = ("ngram",)
+# Methods vLLM names that are not built here yet: refused by name rather than as unknown.
+NOT_YET = ("draft_model", "mtp", "eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
+MAX_SPECULATIVE_TOKENS = 32
+MAX_LOOKUP = 64  # the longest n-gram a prompt lookup matches
+DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`method` "ngram": prompt lookup, the tokens that followed the latest earlier occurrence of the
+    longest n-gram (prompt_lookup_max down to prompt_lookup_min tokens) that ends the request's
+    tokens so far; at most `num_speculative_tokens` drafted per step (fewer while drafts miss)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _int_key(raw: Mapping[str, Any], name: str, low: int, high: int) -> int | None:
+    value = raw.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"speculative[{name!r}] must be an int in [{low}, {high}], got {value!r}")
+    return value
+
+
+def speculative_config(raw: Mapping[str, Any] | None) -> SpeculativeConfig | None:
+    """The config `raw` describes (None: no speculation), every key checked: ValueError (TypeError
+    for a value of the wrong kind) naming the key and what it accepts."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"speculative must be None or a dict, got {type(raw).__name__}")
+    unknown = set(raw) - set(KEYS) - {"model"}
+    if unknown:
+        raise ValueError(f"unknown speculative keys {sorted(unknown)}; allowed: {sorted(KEYS)}")
+    method = raw.get("method")
+    if method in NOT_YET:
+        raise ValueError(f"speculative['method']={method!r} is not supported yet; supported: {METHODS}")
+    if method not in METHODS:
+        raise ValueError(f"speculative['method'] must be one of {METHODS}, got {method!r}")
+    if raw.get("model") is not None:
+        raise ValueError(f"speculative['model'] names a draft checkpoint, which method {method!r} does not take")
+    count = _int_key(raw, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
+    if count is None:
+        raise ValueError(f"speculative['num_speculative_tokens'] is required: an int in [1, {MAX_SPECULATIVE_TOKENS}]")
+    low = _int_key(raw, "prompt_lookup_min", 1, MAX_LOOKUP)
+    high = _int_key(raw, "prompt_lookup_max", 1, MAX_LOOKUP)
+    if low is None and high is None:
+        low = high = DEFAULT_LOOKUP
+    low = high if low is None else low
+    high = low if high is None else high
+    assert low is not None and high is not None
+    if low > high:
+        raise ValueError(f"speculative['prompt_lookup_min']={low} must not exceed prompt_lookup_max={high}")
+    return SpeculativeConfig(method, count, low, high)
