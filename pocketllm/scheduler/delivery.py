@@ -61,10 +61,12 @@ class Delivery:
         return DeltaText(None if self.detokenize is None else TextDeltas(self.detokenize))
 
     def sampled(self, request: Request) -> None:
-        """`request` has just sampled a token: queue its delta for on_token. Lock held."""
+        """`request` has just sampled its token (or tokens: a verify piece's): queue their deltas for
+        on_token. Lock held."""
         subscriber = request.subscriber
         if subscriber is not None and subscriber.on_token is not None:
-            self._events.append((request, len(request.token_ids) - 1))
+            self._events.extend((request, index) for index in range(subscriber.queued, len(request.token_ids)))
+            subscriber.queued = len(request.token_ids)
 
     def ended(self, requests: list[Request]) -> None:
         """These requests have ended: queue their results for their subscribers. Lock held."""

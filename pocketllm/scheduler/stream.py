@@ -112,3 +112,4 @@ class Subscriber:
     callback: Callback | None
     on_token: TokenCallback | None
     deltas: DeltaText
+    queued: int = 0  # tokens whose deltas are queued for on_token so far

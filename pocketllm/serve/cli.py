@@ -56,6 +56,18 @@ def _seconds(text: str) -> float:
     return seconds
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object, as vLLM's --speculative-config takes it."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f'must be a JSON object such as \'{{"method": "ngram", '
+                                         f'"num_speculative_tokens": 4}}\', got {text!r}')
+    return value
+
+
 def _origins(text: str) -> list[str]:
     """A JSON list of origins."""
     try:
@@ -102,6 +114,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting", type=int, default=0,
                         help="waiting requests beyond which a request is answered 429 (0: no bound)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="shard the model over this many processes")
+    parser.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                        help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                             "(the output stays bitwise the output without it)")
     parser.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                         help="any other backend_options entry, e.g. --option prefill_chunk_size=256")
 
@@ -110,7 +125,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
     options = {"max_batch_size": args.max_batch_size, "max_waiting": args.max_waiting, **dict(args.option)}
     return EngineArgs(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device,
                       max_seq_len=args.max_seq_len, backend_options=options,
-                      tensor_parallel_size=args.tensor_parallel_size)
+                      tensor_parallel_size=args.tensor_parallel_size, speculative=args.speculative_config)
 
 
 def _set_threads(threads: int | None) -> None:
@@ -156,9 +171,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..async_llm import AsyncLLM
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")  # uvicorn's look
-    check_address(args.host, args.port)  # before the model loads, which can take minutes
+    config = engine_args(args)  # checked, with the address, before the model loads, which can take minutes
+    check_address(args.host, args.port)
     _set_threads(args.threads)
-    engine = AsyncLLM(engine_args(args))
+    engine = AsyncLLM(config)
     try:
         app = build_app(engine, args.served_model_name, owns_engine=True,  # closed at the app's shutdown
                         api_key=args.api_key or None, allowed_origins=args.allowed_origins)

@@ -38,6 +38,9 @@ COUNTERS = {
     "recomputes": "preemptions by recompute",
     "recomputed_tokens": "positions freed by recompute preemptions",
     "swapped_bytes": "bytes copied to host memory by swap preemptions",
+    "spec_verifies": "verify pieces run (speculative decoding: a request's drafts checked in one step)",
+    "spec_draft_tokens": "tokens drafted",
+    "spec_accepted_tokens": "drafted tokens accepted",
 }
 GAUGES = {
     "waiting": "requests waiting for a slot",
@@ -49,6 +52,7 @@ GAUGES = {
     "swap_bytes_held": "host memory the swapped-out slots take",
     "uncollected": "ended requests whose result nobody has collected",
     "tokens_per_s": "generated tokens per second of busy time",
+    "spec_mean_accepted_length": "tokens a verify piece emitted on average (1 + accepted drafts; 0: none ran)",
 }
 
 
@@ -56,7 +60,8 @@ def stats_values(state: ServerState) -> dict[str, Any]:
     """Every statistic by name: get_stats() with tokens/s and the free slots."""
     engine = state.engine
     stats = engine.scheduler.get_stats()
-    return {**dataclasses.asdict(stats), "tokens_per_s": stats.tokens_per_s, "free_slots": engine.llm.slots.num_free}
+    return {**dataclasses.asdict(stats), "tokens_per_s": stats.tokens_per_s, "free_slots": engine.llm.slots.num_free,
+            "spec_mean_accepted_length": stats.spec_mean_accepted_length}
 
 
 class StatsCollector:

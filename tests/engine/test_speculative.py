@@ -184,6 +184,23 @@ def test_speculation_changes_nothing_on_experts_and_across_ranks(checkpoint_dir,
         assert speculating.scheduler is not None and speculating.scheduler.get_stats().spec_accepted_tokens > 0
 
 
+def test_every_token_of_a_verify_piece_reaches_on_token_in_order(tiny_checkpoint):
+    with LLM(EngineArgs(model=str(tiny_checkpoint), max_seq_len=MAX_SEQ_LEN, speculative=NGRAM,
+                        backend_options={"enable_batching": True, "background_thread": False})) as llm:
+        scheduler = llm.scheduler
+        assert scheduler is not None
+        deltas: list = []
+        ids = [scheduler.submit_request(p, PARAMS[0], on_token=deltas.append) for p in PROMPTS[:2]]
+        while scheduler.has_work:
+            scheduler.step()
+        results = [scheduler.poll_result(i) for i in ids]
+        assert scheduler.get_stats().spec_accepted_tokens > 0
+    for request_id, result in zip(ids, results):
+        mine = [d for d in deltas if d.request_id == request_id]
+        assert [d.index for d in mine] == list(range(len(result.token_ids)))
+        assert [(d.token_id, d.logprob) for d in mine] == list(zip(result.token_ids, result.logprobs))
+
+
 def test_verify_pieces_stay_within_the_token_budget(tiny_checkpoint):
     """Eight slots and a budget of 12 tokens: decode rows come first, drafts take what running prompts
     leave, and every step's tokens fit."""

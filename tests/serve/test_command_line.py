@@ -37,11 +37,22 @@ def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
     (["--graceful-timeout", "inf"], ["--graceful-timeout", ">= 0"]),
     (["--allowed-origins", "*"], ["--allowed-origins", "JSON list of origins", "'*'"]),
     (["--allowed-origins", '["*", 3]'], ["--allowed-origins", "JSON list of origins"]),
+    (["--speculative-config", "ngram"], ["--speculative-config", "JSON object", "'ngram'"]),
 ])
 def test_a_bad_option_is_one_line_and_status_2(serve_checkpoint, no_engine, capsys, args, words):
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--model", str(serve_checkpoint), *args])
     assert exit_.value.code == 2
+    err = _one_line_error(capsys)
+    assert all(word in err for word in words), err
+
+
+@pytest.mark.parametrize(("config", "words"), [
+    ('{"method": "ngram"}', ["speculative['num_speculative_tokens'] is required"]),
+    ('{"method": "ngram", "num_speculative_tokens": 99}', ["speculative['num_speculative_tokens']", "[1, 32]", "99"]),
+])
+def test_a_bad_speculative_config_is_one_line_and_status_2(serve_checkpoint, no_engine, capsys, config, words):
+    assert main(["serve", "--model", str(serve_checkpoint), "--speculative-config", config]) == 2
     err = _one_line_error(capsys)
     assert all(word in err for word in words), err
 
