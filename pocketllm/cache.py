@@ -240,6 +240,14 @@ class SlotCache:
             assert all(t is not None for t in copy), f"slot {slot}: a layer kept no state at {position}"
             self.prefix_states[slot][position] = [t for t in copy if t is not None]
 
+    def restore_kept(self, slot: int, position: int) -> None:
+        """Set `slot`'s conv and recurrent states to the copy the last forward kept at `position`
+        (a verify piece's accepted end); its replay rows stay, being the same tokens' up to there."""
+        copy = self.kept[(slot, position)]
+        for state, kept in zip(self._states(), copy):
+            assert kept is not None, f"slot {slot}: a layer kept no state at {position}"
+            state[slot].copy_(kept)
+
     def clear_kept(self) -> None:
         """Drop what a forward kept and nobody committed (a failed forward's)."""
         self.kept.clear()

@@ -97,7 +97,7 @@ class LLM:
         if self.workers is not None:  # stopped after the scheduler (finalizers run newest first)
             weakref.finalize(self, self.workers.stop)
         check_preemption_mode(engine.preemption_mode, exact_positions)  # serial mode too: one configuration
-        check_speculative(args.speculative_config, exact_positions, self.cache.has_states)
+        check_speculative(args.speculative_config, exact_positions)
         cfg = self.model_config
         self.grammars = Grammars(args.model, cfg.vocab_size, cfg.eos_token_ids, self.tokenizer)  # structured outputs
         self.scheduler: BatchScheduler | None = None
@@ -254,7 +254,8 @@ class LLM:
     def make_request(self, prompt_tokens: list[int], params: SamplingParams) -> Request:
         """A request with a fresh id for an already validated prompt."""
         return Request(next(self._ids), prompt_tokens, params, params.resolved_seed(), self.model_config.eos_token_ids,
-                       grammar=self.grammars.state(params), speculation=speculation_for(self.args.speculative_config))
+                       grammar=self.grammars.state(params),
+                       speculation=speculation_for(self.args.speculative_config, self.cache.has_states))
 
     # -- generation ------------------------------------------------------------------------
 
@@ -278,9 +279,8 @@ class LLM:
         """One prompt -> one result; a list of prompts -> a list of results.
 
         A prompt is token ids (`prompt_tokens`: a list of ints, or a 1-D integer numpy array or torch
-        tensor) or text (`prompts`, a str), not both:
-        text goes through the model directory's tokenizer.json, with no special tokens added. When
-        the model has a tokenizer, each result's `text` is its token_ids decoded.
+        tensor) or text (`prompts`, a str), not both: text goes through the model directory's
+        tokenizer.json, no special tokens added. With a tokenizer, each result's `text` is its tokens decoded.
         `sampling_params` is one SamplingParams for all prompts or a list, one per prompt. Every
         prompt is validated before any is run, so a bad one raises without side effects.
         `priority` (batched mode): lower runs first and may preempt running requests of a higher
@@ -301,8 +301,7 @@ class LLM:
                 and (is_array(prompt_tokens[0]) or isinstance(prompt_tokens[0], Sequence)))
             token_prompts = [prompt_tokens] if single else list(prompt_tokens)
         params_list = params_for(sampling_params, len(token_prompts))
-        if self.scheduler is not None:
-            # Checked, stepped and decoded there, on this thread (see BatchScheduler.generate).
+        if self.scheduler is not None:  # checked, stepped and decoded there, on this thread
             results = self.scheduler.generate(list(zip(token_prompts, params_list)), priority)
         else:
             cfg = self.model_config
@@ -371,6 +370,8 @@ class LLM:
             while not request.finished:
                 seq = request.next_input(self.policy)
                 request.advance(seq, self.runner.run([seq])[0])
+                if seq.drafts:  # a verify piece: the states back to its accepted end
+                    self.slots.verified(request, seq)
         except Exception as exc:  # the engine keeps serving; the request records why it ended
             request.finish("error", f"{type(exc).__name__}: {exc}")
         finally:

@@ -147,7 +147,7 @@ def _serve(tp: TensorParallel, model: Any, cache: SlotCache, device: torch.devic
             swaps.pop(payload[0], None)
         elif name == "digest":
             tp.all_gather(state_digest(model))
-        elif name in ("reset", "forget", "save_prefix_state", "copy_prefix", "commit_kept"):
+        elif name in ("reset", "forget", "save_prefix_state", "copy_prefix", "commit_kept", "restore_kept"):
             getattr(cache, name)(*payload)
         else:
             raise ValueError(f"unknown command {name!r}")
@@ -293,6 +293,10 @@ class ParallelCache(SlotCache):
     def commit_kept(self, slot: int, positions: Sequence[int]) -> None:
         super().commit_kept(slot, positions)
         self.workers.send(["commit_kept", slot, list(positions)])
+
+    def restore_kept(self, slot: int, position: int) -> None:
+        super().restore_kept(slot, position)
+        self.workers.send(["restore_kept", slot, position])
 
     def swap_bytes(self, length: int) -> int:
         return super().swap_bytes(length) * self.workers.size

@@ -69,12 +69,12 @@ class BatchScheduler(SchedulerLoop):
         `grammars`: compiles requests' structured outputs (SamplingParams.structured_outputs) at
         submission and gives each its matcher; without it such a request is refused.
         `speculative`: each request drafts tokens and a step verifies them (a verify piece in place of
-        its decode row, within the token budget); needs exact positions and a model without recurrent
-        states, where a verified row has its decode step's bits."""
+        its decode row, within the token budget); needs exact positions, where a verified row has its
+        decode step's bits."""
         policy = policy if policy is not None else PrefillPolicy()
         check_policy(policy, cache.num_slots, max_seq_len, cache.has_states, exact_positions)
         check_preemption_mode(preemption_mode, exact_positions)
-        check_speculative(speculative, exact_positions, cache.has_states)
+        check_speculative(speculative, exact_positions)
         self.speculative = speculative
         self.runner, self.cache = runner, cache
         self.vocab_size, self.max_seq_len, self.eos_token_ids = vocab_size, max_seq_len, eos_token_ids
@@ -310,7 +310,7 @@ class BatchScheduler(SchedulerLoop):
         grammar = None if self.grammars is None else self.grammars.state(sampling)  # compiled at the check
         request = Request(next(self._ids), prompt, sampling, sampling.resolved_seed(), self.eos_token_ids,
                           priority=priority, subscriber=subscriber, grammar=grammar,
-                          speculation=speculation_for(self.speculative))
+                          speculation=speculation_for(self.speculative, self.cache.has_states))
         self._requests[request.request_id] = request
         self.planner.enqueue(request)
         self.counters.counts["prompt_tokens"] += len(prompt)

@@ -206,7 +206,8 @@ class Planner:
                 sampled.append(request)
             if seq.drafts:
                 self.counters.verified(len(seq.drafts), len(outcome.accepted))
-            if seq.decode or seq.drafts:
+                self.slots.verified(request, seq)
+            elif seq.decode:
                 self.slots.decoded(request)
             else:
                 self.slots.prefilled(request, seq.keeps)

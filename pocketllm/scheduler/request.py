@@ -201,14 +201,16 @@ class Request:
         """A decode row, or with speculation and a draft at hand a verify piece of the last token and
         up to `most_drafts` drafts (no more than the tokens it may still generate after the next).
         A request with structured outputs does not draft: its matcher takes each token once."""
-        last, start = self.token_ids[-1], self.num_cached
+        last, start, speculation = self.token_ids[-1], self.num_cached, self.speculation
         room = self.params.max_tokens - len(self.token_ids) - 1
         most = room if most_drafts is None else min(room, most_drafts)
-        drafts = [] if self.speculation is None or self.grammar is not None or most < 1 else \
-            self.speculation.propose(self.prompt_tokens + self.token_ids, most)
-        if drafts:
+        most = most if speculation is None else speculation.most_drafts(start, most)
+        drafts = [] if speculation is None or self.grammar is not None or most < 1 else \
+            speculation.propose(self.prompt_tokens + self.token_ids, most)
+        if speculation is not None and drafts:
             return SequenceInput(self.assigned_slot, start, [last, *drafts], self.params, self.seed,
-                                 history=self.history(), drafts=tuple(drafts))
+                                 keeps=speculation.keeps(start, len(drafts)), history=self.history(),
+                                 drafts=tuple(drafts))
         return SequenceInput(self.assigned_slot, start, [last], self.params, self.seed,
                              decode=True, history=self.history(), grammar=self.grammar)
 

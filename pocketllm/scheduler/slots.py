@@ -191,6 +191,14 @@ class SlotManager:
         if self.reuse_decoded and self._keeps_at(length) and slot not in self._unindexed:
             self.cache.save_prefix_state(slot, length)
 
+    def verified(self, request: Request, seq: SequenceInput) -> None:
+        """A verify piece wrote positions seq.start.. of which the request kept num_cached: a model
+        with recurrent states takes them back to the copy kept there (its K/V past it are never read,
+        and are written again by whatever comes next), then as after a decode step."""
+        if self.cache.has_states and request.num_cached < seq.start + len(seq.token_ids):
+            self.cache.restore_kept(request.assigned_slot, request.num_cached)
+        self.decoded(request)
+
     def release(self, request: Request) -> None:
         """Free the slot of a request that ended or is preempted by recompute. A failed request's
         slot claims no contents: a failed forward may have written them."""

@@ -8,30 +8,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..kernels._gated_delta import CHUNK_SIZE
 from ..speculative import SpeculativeConfig
 
 MAX_CANDIDATES = 64  # earlier occurrences of the last token a lookup examines, latest first
 MAX_BACKOFF = 16  # the most decode steps a request goes without drafting after its drafts missed
 
 
-def check_speculative(config: SpeculativeConfig | None, exact_positions: bool, has_states: bool) -> None:
+def check_speculative(config: SpeculativeConfig | None, exact_positions: bool) -> None:
     """ValueError unless speculation (when asked for) is exact here: a verified row must have the bits
-    its decode step would, which exact positions give, and a partly accepted draft must leave no
-    trace, which a model with recurrent states (Gated DeltaNet) does not promise yet."""
-    if config is None:
-        return
-    if not exact_positions:
+    its decode step would, which exact positions give."""
+    if config is not None and not exact_positions:
         raise ValueError("speculative decoding needs exact positions (a verified row has its decode step's bits): "
                          "this engine runs without them (the torch backend without a C++ compiler, or "
                          "backend_options exact_positions=False or decode_per_row=True)")
-    if has_states:
-        raise ValueError("speculative decoding is not supported yet on models with Gated DeltaNet layers "
-                         "(Qwen3.5): a partly accepted draft would have to roll their recurrent states back")
 
 
-def speculation_for(config: SpeculativeConfig | None) -> Speculation | None:
-    """A new request's drafting under the engine's config (None: it does not speculate)."""
-    return None if config is None else Speculation(config)
+def speculation_for(config: SpeculativeConfig | None, recurrent: bool) -> Speculation | None:
+    """A new request's drafting under the engine's config (None: it does not speculate);
+    `recurrent`: the model has Gated DeltaNet states (see Speculation)."""
+    return None if config is None else Speculation(config, recurrent)
 
 
 class NgramIndex:
@@ -73,14 +69,30 @@ class Speculation:
     """A request's drafting: its n-gram index, how many tokens it drafts next (all of
     num_speculative_tokens after a full hit, one more than it had accepted after a miss, and after
     a miss of a single draft none for a number of steps that doubles up to MAX_BACKOFF, so a request
-    whose drafts never hit runs almost as without speculation), and its counts."""
+    whose drafts never hit runs almost as without speculation), and its counts.
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    `recurrent` (a model with Gated DeltaNet layers): a verify piece keeps the slot's states after
+    each of its positions (`keeps`), so a partly accepted one takes them back to its accepted end
+    (`SlotManager.verified`), and it ends inside its first position's chunk of the exact replay
+    (CHUNK_SIZE): the replay rows of that chunk, which the kept states go with, are never written
+    over by the next chunk's."""
+
+    def __init__(self, config: SpeculativeConfig, recurrent: bool = False) -> None:
         self.config = config
+        self.recurrent = recurrent
         self.index = NgramIndex()
         self.width = config.num_speculative_tokens
         self.backoff = self.wait = 0
         self.drafted = self.accepted = self.verifies = 0
+
+    def most_drafts(self, start: int, most: int) -> int:
+        """The most drafts a verify piece from position `start` may hold: `most`, and on a recurrent
+        model no further than the end of its chunk."""
+        return min(most, CHUNK_SIZE - 1 - start % CHUNK_SIZE) if self.recurrent else most
+
+    def keeps(self, start: int, drafts: int) -> tuple[int, ...]:
+        """Where a verify piece from `start` with `drafts` drafts keeps the slot's states (see above)."""
+        return tuple(range(start + 1, start + drafts + 1)) if self.recurrent else ()
 
     def propose(self, tokens: Sequence[int], most: int) -> list[int]:
         """The drafts for the step after `tokens` (at most `most`)."""

@@ -1,14 +1,16 @@
 """Exact speculative decoding: `EngineArgs(speculative={"method": "ngram", ...})` changes the speed
 only. A verify piece's rows have the bits of decode steps (exact positions) and a draft is accepted
 exactly when it equals the token the request's own sampler draws there, so every request's tokens,
-logprobs and alternatives equal the run without speculation, at any temperature, for any draft.
+logprobs and alternatives equal the run without speculation, at any temperature, for any draft; on
+Qwen3.5 a partly accepted draft takes the Gated DeltaNet states back to its accepted end.
 
 The property runs speculating batched engines (arrivals, cancellations, priorities, forced
 preemptions by swap and by recompute, drawn budgets and cuts, prefix reuse) against the cold serial
 runs of an engine that does not speculate; the prompts are half repetitive, so drafts are found and
 both hit and miss. Negative controls: a verify that accepts every draft, a verify whose rows draw
-with the counter of the piece's end, and a decode attention whose rows round differently from
-prefilled ones (planted.py: verified rows then lack their decode steps' bits) must each be caught."""
+with the counter of the piece's end, Gated DeltaNet states left where a partly accepted piece
+ended, and a decode attention whose rows round differently from prefilled ones (planted.py:
+verified rows then lack their decode steps' bits) must each be caught."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from hypothesis import given, settings
 
 import pocketllm.runner as runner_module
 from pocketllm import LLM, EngineArgs, SamplingParams
+from pocketllm.scheduler.slots import SlotManager
 from pocketllm.scheduler.speculation import MAX_BACKOFF, NgramIndex, Speculation
 from pocketllm.speculative import SpeculativeConfig, speculative_config
 from pocketllm.testing import Engines, Job, Workload, assert_batch_invariant, find_mismatches
@@ -66,12 +69,10 @@ def test_a_bad_option_is_refused_naming_the_key_and_what_it_takes(raw, error, wo
     assert words in str(info.value)
 
 
-def test_engines_that_cannot_verify_exactly_refuse_speculation(checkpoint_dir):
+def test_an_engine_without_exact_positions_refuses_speculation(checkpoint_dir):
     with pytest.raises(ValueError, match="needs exact positions"):
         LLM(EngineArgs(model=str(checkpoint_dir("tiny")), max_seq_len=64, speculative=NGRAM,
                        backend_options={"exact_positions": False}))
-    with pytest.raises(ValueError, match="not supported yet on models with Gated DeltaNet"):
-        LLM(EngineArgs(model=str(checkpoint_dir("qwen3.5")), max_seq_len=64, speculative=NGRAM))
 
 
 # -- proposing ----------------------------------------------------------------------------------
@@ -121,11 +122,14 @@ def test_drafts_shrink_after_misses_and_pause_when_single_drafts_keep_missing():
 # -- the contract --------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["swap", "recompute"])
+@pytest.fixture(scope="module", params=[("tiny", "swap"), ("tiny", "recompute"), ("qwen3.5", "swap"),
+                                        ("qwen3.5", "recompute")], ids="-".join)
 def engines(request, checkpoint_dir):
-    """Batched engines that speculate, against serial engines that do not."""
-    engines = Engines(checkpoint_dir("tiny"), max_seq_len=MAX_SEQ_LEN, batched_args={"speculative": NGRAM},
-                      preemption_mode=request.param)
+    """Batched engines that speculate, against serial engines that do not; on Qwen3.5 a partly
+    accepted draft takes the Gated DeltaNet states back to its accepted end."""
+    variant, mode = request.param
+    engines = Engines(checkpoint_dir(variant), max_seq_len=MAX_SEQ_LEN, batched_args={"speculative": NGRAM},
+                      preemption_mode=mode)
     yield engines
     engines.close()
 
@@ -170,18 +174,21 @@ def test_speculation_changes_nothing_with_logits_controls_serial_and_batched(tin
 
 @pytest.mark.parametrize(("variant", "args"), [
     ("qwen3-moe", {}),
+    ("qwen3.5-moe", {}),
     ("tiny", {"tensor_parallel_size": 2}),
+    ("qwen3.5", {"tensor_parallel_size": 2}),
 ])
 def test_speculation_changes_nothing_on_experts_and_across_ranks(checkpoint_dir, variant, args):
-    """A mixture of experts (verified rows route as their decode steps do), and ranks: a speculating
-    batched engine at tensor_parallel_size 2 against a plain serial one at 1."""
+    """Mixtures of experts (verified rows route as their decode steps do; Qwen3.5-MoE's states roll
+    back), and ranks: a speculating batched engine at tensor_parallel_size 2 against a plain serial
+    one at 1, whose workers keep and restore their shards' states as rank 0 does."""
     path = str(checkpoint_dir(variant))
     with LLM(EngineArgs(model=path, max_seq_len=MAX_SEQ_LEN)) as plain:
         expected = _outputs(plain.generate(PROMPTS, PARAMS))
     with LLM(EngineArgs(model=path, max_seq_len=MAX_SEQ_LEN, speculative=NGRAM, **args,
                         backend_options={"enable_batching": True, "background_thread": False})) as speculating:
         assert _outputs(speculating.generate(PROMPTS, PARAMS)) == expected
-        assert speculating.scheduler is not None and speculating.scheduler.get_stats().spec_accepted_tokens > 0
+        assert speculating.scheduler is not None and speculating.scheduler.get_stats().spec_verifies > 0
 
 
 def test_every_token_of_a_verify_piece_reaches_on_token_in_order(tiny_checkpoint):
@@ -239,6 +246,13 @@ def test_negative_control_verify_rows_drawing_at_the_pieces_end_are_caught(engin
 
     monkeypatch.setattr(runner_module, "_Draw", at_the_end)
     assert find_mismatches(engines, CONTROL)
+
+
+def test_negative_control_states_left_past_a_partly_accepted_draft_are_caught(checkpoint_dir, monkeypatch):
+    """Qwen3.5: the Gated DeltaNet states left where the verify piece ended, not at its accepted end."""
+    monkeypatch.setattr(SlotManager, "verified", lambda self, request, seq: self.decoded(request))
+    with Engines(checkpoint_dir("qwen3.5"), max_seq_len=MAX_SEQ_LEN, batched_args={"speculative": NGRAM}) as hybrid:
+        assert find_mismatches(hybrid, CONTROL)
 
 
 def test_negative_control_decode_rows_that_round_unlike_prefilled_ones_are_caught(tiny_checkpoint):
