@@ -61,10 +61,8 @@ class EngineArgs:
     bit what an fp32 engine computes on the checkpoint's matrices rounded to bf16. Both keep every
     invariance promise; the experts of MoE layers widen in both.
 
-    `speculative` (None: off) is vLLM's `speculative_config` dict, e.g. {"method": "ngram",
-    "num_speculative_tokens": 4}, checked into `speculative_config` (see `pocketllm.speculative`):
-    drafts verified so that the output is bitwise the output without them.
-    """
+    `speculative` (None: off): vLLM's `speculative_config` dict, checked into `speculative_config`
+    (`pocketllm.speculative`): drafts verified so that the output is bitwise the output without them."""
 
     model: str
     backend: Backend = backends.DEFAULT_BACKEND
@@ -87,8 +85,7 @@ class EngineArgs:
         self.options = parse_backend_options(self.backend_options)
         self.backend_options = self.options.as_dict()
         self.speculative_config = speculative_config(self.speculative)
-        if self.speculative_config is not None:
-            self.speculative = self.speculative_config.as_dict()
+        self.speculative = None if self.speculative_config is None else self.speculative_config.as_dict()
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -32,7 +32,9 @@ from .parallel.tree import tree_enabled
 from .runner import ModelRunner
 from .sampling import SamplingParams, params_for
 from .scheduler import BatchScheduler, PrefillPolicy, Request, check_submission, is_array
+from .scheduler.draft_model import DraftModel
 from .scheduler.policy import check_preemption_mode
+from .scheduler.serial import run_serial
 from .scheduler.slots import SlotManager
 from .scheduler.speculation import check_speculative, speculation_for
 from .scheduler.stream import TokenDelta
@@ -107,7 +109,8 @@ class LLM:
                                             request_ids=self._ids, policy=self.policy, max_waiting=engine.max_waiting,
                                             max_swap_bytes=engine.max_swap_bytes, detokenize=self._detokenizer(),
                                             exact_positions=exact_positions, preemption_mode=engine.preemption_mode,
-                                            grammars=self.grammars, speculative=args.speculative_config)
+                                            grammars=self.grammars, speculative=args.speculative_config,
+                                            drafter=self.drafter)
             weakref.finalize(self, self.scheduler.stop)
         # What the slots hold: the scheduler's manager when batched, one for the serial path else.
         self.slots = self.scheduler.slots if self.scheduler is not None else SlotManager(self.cache, self.policy)
@@ -146,6 +149,8 @@ class LLM:
                 self.cache = ParallelCache(args.max_batch_size, args.max_seq_len, specs, args.torch_dtype,
                                            self.device, replay, self.workers)
             self.runner = ModelRunner(self.model, self.cache, self.device, self.workers)
+            spec = args.speculative_config  # a draft model: loaded beside the target, on rank 0 only
+            self.drafter = DraftModel(args, spec.model, self.model_config.vocab_size) if spec and spec.model else None
             return self._check_invariance()
         except BaseException:
             if self.workers is not None:
@@ -307,7 +312,8 @@ class LLM:
             cfg = self.model_config
             checked = [check_submission(p, sp, priority, cfg.vocab_size, self.args.max_seq_len, self.grammars)
                        for p, sp in zip(token_prompts, params_list)]
-            results = [self._run_serial(self.make_request(p, sp)) for p, sp in checked]
+            results = [run_serial(self.runner, self.slots, self.policy, self.make_request(p, sp), self.drafter,
+                                  self._detokenizer()) for p, sp in checked]
         return results[0] if single else results
 
     def stream(self, prompt_tokens: Sequence[int] | None = None, sampling_params: SamplingParams | None = None, *,
@@ -361,25 +367,6 @@ class LLM:
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(self.args.model, required=True)
         return [self.tokenizer.encode(text, add_special_tokens=False).ids for text in prompts]
-
-    def _run_serial(self, request: Request) -> GenerationResult:
-        """Prefill piece by piece (the cuts of the batched path), then decode one token at a time,
-        in a slot of the shared cache, cold: nothing is reused."""
-        self.slots.admit_cold(request)
-        try:
-            while not request.finished:
-                seq = request.next_input(self.policy)
-                request.advance(seq, self.runner.run([seq])[0])
-                if seq.drafts:  # a verify piece: the states back to its accepted end
-                    self.slots.verified(request, seq)
-        except Exception as exc:  # the engine keeps serving; the request records why it ended
-            request.finish("error", f"{type(exc).__name__}: {exc}")
-        finally:
-            self.slots.release(request)
-        detokenize = self._detokenizer()
-        request.text = None if detokenize is None else detokenize(request.token_ids)
-        return request.result()
-
 
 def _on_own_thread(fn: Callable[[], T]) -> T:
     """fn() on a short-lived thread (its OpenMP team ends with it); its exception is raised here."""

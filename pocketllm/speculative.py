@@ -11,30 +11,35 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # Methods vLLM names that are not built here yet: refused by name rather than as unknown.
-NOT_YET = ("draft_model", "mtp", "eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
+NOT_YET = ("mtp", "eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
 MAX_SPECULATIVE_TOKENS = 32
 MAX_LOOKUP = 64  # the longest n-gram a prompt lookup matches
 DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
-KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """`method` "ngram": prompt lookup, the tokens that followed the latest earlier occurrence of the
-    longest n-gram (prompt_lookup_max down to prompt_lookup_min tokens) that ends the request's
-    tokens so far; at most `num_speculative_tokens` drafted per step (fewer while drafts miss)."""
+    """At most `num_speculative_tokens` drafted per request and step (fewer while drafts miss).
+    `method` "ngram": prompt lookup, the tokens that followed an earlier occurrence of the longest
+    n-gram (prompt_lookup_max down to prompt_lookup_min tokens) that ends the request's tokens so
+    far. "draft_model": `model`, a smaller checkpoint directory with the same vocabulary, drafts
+    greedily (the method vLLM infers when only `model` is given)."""
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_min: int
-    prompt_lookup_max: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The keys that apply to its method, as `EngineArgs.speculative` shows them."""
+        return {key: value for key, value in asdict(self).items() if value is not None}
 
 
 def _int_key(raw: Mapping[str, Any], name: str, low: int, high: int) -> int | None:
@@ -53,19 +58,28 @@ def speculative_config(raw: Mapping[str, Any] | None) -> SpeculativeConfig | Non
         return None
     if not isinstance(raw, Mapping):
         raise TypeError(f"speculative must be None or a dict, got {type(raw).__name__}")
-    unknown = set(raw) - set(KEYS) - {"model"}
+    unknown = set(raw) - set(KEYS)
     if unknown:
         raise ValueError(f"unknown speculative keys {sorted(unknown)}; allowed: {sorted(KEYS)}")
-    method = raw.get("method")
+    model = raw.get("model")
+    method = raw.get("method", "draft_model" if model is not None else None)
     if method in NOT_YET:
         raise ValueError(f"speculative['method']={method!r} is not supported yet; supported: {METHODS}")
     if method not in METHODS:
         raise ValueError(f"speculative['method'] must be one of {METHODS}, got {method!r}")
-    if raw.get("model") is not None:
-        raise ValueError(f"speculative['model'] names a draft checkpoint, which method {method!r} does not take")
     count = _int_key(raw, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
     if count is None:
         raise ValueError(f"speculative['num_speculative_tokens'] is required: an int in [1, {MAX_SPECULATIVE_TOKENS}]")
+    if method == "draft_model":
+        if not isinstance(model, (str, Path)) or not str(model):
+            raise ValueError(f"speculative['model'] must name the draft checkpoint's directory for method "
+                             f"'draft_model', got {model!r}")
+        lookup = [key for key in ("prompt_lookup_min", "prompt_lookup_max") if raw.get(key) is not None]
+        if lookup:
+            raise ValueError(f"speculative{lookup} apply to method 'ngram' only, not 'draft_model'")
+        return SpeculativeConfig(method, count, model=str(model))
+    if model is not None:
+        raise ValueError(f"speculative['model'] names a draft checkpoint, which method {method!r} does not take")
     low = _int_key(raw, "prompt_lookup_min", 1, MAX_LOOKUP)
     high = _int_key(raw, "prompt_lookup_max", 1, MAX_LOOKUP)
     if low is None and high is None:

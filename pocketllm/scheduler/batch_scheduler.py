@@ -31,6 +31,7 @@ from ..runner import ModelRunner
 from ..sampling import SamplingParams
 from ..speculative import SpeculativeConfig
 from .delivery import Callback, Delivery, Subscriber, TokenCallback, token_delta
+from .draft_model import DraftModel
 from .loop import SchedulerLoop
 from .planner import Planner
 from .policy import PrefillPolicy, check_policy, check_preemption_mode
@@ -58,7 +59,7 @@ class BatchScheduler(SchedulerLoop):
                  max_waiting: int = 0, max_swap_bytes: int = 0,
                  detokenize: Callable[[list[int]], str] | None = None, exact_positions: bool = False,
                  preemption_mode: PreemptionMode = "swap", grammars: Grammars | None = None,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, drafter: DraftModel | None = None) -> None:
         """`max_waiting`: submissions refused (or made to wait) beyond this many waiting requests;
         `max_swap_bytes`: host memory preempted requests may hold (0: no limit, for both).
         `detokenize`: token ids -> text; with it, results and token deltas carry text.
@@ -70,12 +71,12 @@ class BatchScheduler(SchedulerLoop):
         submission and gives each its matcher; without it such a request is refused.
         `speculative`: each request drafts tokens and a step verifies them (a verify piece in place of
         its decode row, within the token budget); needs exact positions, where a verified row has its
-        decode step's bits."""
+        decode step's bits; `drafter`: the draft model that proposes them (method "draft_model")."""
         policy = policy if policy is not None else PrefillPolicy()
         check_policy(policy, cache.num_slots, max_seq_len, cache.has_states, exact_positions)
         check_preemption_mode(preemption_mode, exact_positions)
         check_speculative(speculative, exact_positions)
-        self.speculative = speculative
+        self.speculative, self.drafter = speculative, drafter
         self.runner, self.cache = runner, cache
         self.vocab_size, self.max_seq_len, self.eos_token_ids = vocab_size, max_seq_len, eos_token_ids
         self.max_waiting, self.grammars = max_waiting, grammars

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from ..machine import release_openmp_team
 from ..runner import ModelRunner
 from .delivery import Delivery
+from .draft_model import DraftModel
 from .execute import Outcome, Work, execute
 from .planner import Planner
 from .request import Request
@@ -26,6 +27,7 @@ class SchedulerLoop:
     """The state the loop shares with the facade is set up by BatchScheduler.__init__."""
 
     runner: ModelRunner
+    drafter: DraftModel | None
     slots: SlotManager
     planner: Planner
     delivery: Delivery
@@ -77,6 +79,11 @@ class SchedulerLoop:
         spans: list[Span] = []
         outcomes: Sequence[Outcome] = []
         try:
+            if self.drafter is not None:  # a draft model's forwards, outside the lock as the target's
+                work = self.drafter.fill(work)
+                with self._lock:
+                    for request, seq in work:
+                        request.in_flight = seq
             outcomes = execute(self.runner, self.slots, work, spans)
         except BaseException as exc:
             outcomes = [exc] * len(work)

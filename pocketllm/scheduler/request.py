@@ -204,15 +204,21 @@ class Request:
         last, start, speculation = self.token_ids[-1], self.num_cached, self.speculation
         room = self.params.max_tokens - len(self.token_ids) - 1
         most = room if most_drafts is None else min(room, most_drafts)
-        most = most if speculation is None else speculation.most_drafts(start, most)
+        if speculation is not None:
+            most, speculation.pending = speculation.most_drafts(start, most), 0
         drafts = [] if speculation is None or self.grammar is not None or most < 1 else \
             speculation.propose(self.prompt_tokens + self.token_ids, most)
-        if speculation is not None and drafts:
-            return SequenceInput(self.assigned_slot, start, [last, *drafts], self.params, self.seed,
-                                 keeps=speculation.keeps(start, len(drafts)), history=self.history(),
-                                 drafts=tuple(drafts))
+        if drafts:
+            return self.verify_input(drafts)
         return SequenceInput(self.assigned_slot, start, [last], self.params, self.seed,
                              decode=True, history=self.history(), grammar=self.grammar)
+
+    def verify_input(self, drafts: Sequence[int]) -> SequenceInput:
+        """A verify piece of its last token and `drafts` (see SequenceInput.drafts)."""
+        start, speculation = self.num_cached, self.speculation
+        assert speculation is not None, f"request {self.request_id} does not speculate"
+        return SequenceInput(self.assigned_slot, start, [self.token_ids[-1], *drafts], self.params, self.seed,
+                             keeps=speculation.keeps(start, len(drafts)), history=self.history(), drafts=tuple(drafts))
 
     def history(self) -> TokenHistory | None:
         """What its logits controls read when it samples next (None when it sets none): the live
@@ -240,7 +246,7 @@ class Request:
             if not self.finished:
                 self.append(sampled)
         if seq.drafts and self.speculation is not None:
-            self.speculation.verified(len(seq.drafts), len(output.accepted))
+            self.speculation.verified(seq.start, len(seq.drafts), len(output.accepted))
 
     def restart(self) -> None:
         """Preempted by recompute, its slot freed: once readmitted, it prefills its prompt and every

@@ -84,6 +84,8 @@ class Speculation:
         self.width = config.num_speculative_tokens
         self.backoff = self.wait = 0
         self.drafted = self.accepted = self.verifies = 0
+        self.pending = 0  # draft_model: the drafts its model may propose before this step's forward
+        self.draft_cached = 0  # draft_model: positions of the request's tokens its draft slot holds
 
     def most_drafts(self, start: int, most: int) -> int:
         """The most drafts a verify piece from position `start` may hold: `most`, and on a recurrent
@@ -95,17 +97,24 @@ class Speculation:
         return tuple(range(start + 1, start + drafts + 1)) if self.recurrent else ()
 
     def propose(self, tokens: Sequence[int], most: int) -> list[int]:
-        """The drafts for the step after `tokens` (at most `most`)."""
+        """The drafts for the step after `tokens` (at most `most`): a prompt lookup's, at once; a draft
+        model's come in the step (`draft_model.py`), which may propose `pending` of them."""
         if self.wait:
             self.wait -= 1
             return []
-        config = self.config
+        count = min(self.width, most)
+        if self.config.method == "draft_model":
+            self.pending = count
+            return []
+        low, high = self.config.prompt_lookup_min, self.config.prompt_lookup_max
+        assert low is not None and high is not None  # an n-gram config has both
         self.index.extend(tokens)
-        return self.index.propose(min(self.width, most), config.prompt_lookup_min, config.prompt_lookup_max)
+        return self.index.propose(count, low, high)
 
-    def verified(self, drafted: int, accepted: int) -> None:
-        """A verify piece of `drafted` drafts accepted the first `accepted`."""
+    def verified(self, start: int, drafted: int, accepted: int) -> None:
+        """A verify piece from position `start` of `drafted` drafts accepted the first `accepted`."""
         self.drafted, self.accepted, self.verifies = self.drafted + drafted, self.accepted + accepted, self.verifies + 1
+        self.draft_cached = min(self.draft_cached, start + 1 + accepted)  # the draft slot's tokens that stand
         if accepted == drafted:
             self.width, self.backoff = self.config.num_speculative_tokens, 0
         elif accepted:

@@ -48,6 +48,9 @@ def test_the_option_takes_vllm_keys_and_fills_in_its_defaults(tiny_checkpoint):
                                 "prompt_lookup_max": 5}
     one = speculative_config({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
     assert one == SpeculativeConfig("ngram", 2, 3, 3)
+    draft = speculative_config({"model": "/ckpt", "num_speculative_tokens": 3})  # vLLM infers the method
+    assert draft == SpeculativeConfig("draft_model", 3, model="/ckpt")
+    assert draft.as_dict() == {"method": "draft_model", "num_speculative_tokens": 3, "model": "/ckpt"}
     assert EngineArgs(model=str(tiny_checkpoint)).speculative_config is None
 
 
@@ -55,10 +58,14 @@ def test_the_option_takes_vllm_keys_and_fills_in_its_defaults(tiny_checkpoint):
     ({"method": "ngram"}, ValueError, "['num_speculative_tokens'] is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, ValueError, "in [1, 32], got 0"),
     ({"method": "ngram", "num_speculative_tokens": True}, ValueError, "in [1, 32], got True"),
-    ({"method": "nram", "num_speculative_tokens": 2}, ValueError, "must be one of ('ngram',), got 'nram'"),
+    ({"method": "nram", "num_speculative_tokens": 2}, ValueError,
+     "must be one of ('ngram', 'draft_model'), got 'nram'"),
     ({"method": "mtp", "num_speculative_tokens": 2}, ValueError, "'mtp' is not supported yet"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft": 1}, ValueError, "unknown speculative keys ['draft']"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, ValueError, "does not take"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, ValueError, "['model'] must name the draft checkpoint"),
+    ({"model": "x", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, ValueError,
+     "['prompt_lookup_max'] apply to method 'ngram' only"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, ValueError,
      "['prompt_lookup_min']=4 must not exceed prompt_lookup_max=2"),
     (["ngram"], TypeError, "must be None or a dict, got list"),
@@ -101,19 +108,19 @@ def test_drafts_shrink_after_misses_and_pause_when_single_drafts_keep_missing():
     speculation = Speculation(_config(num_speculative_tokens=4))
     tokens = [7, 8] * 8
     assert speculation.propose(tokens, 10) == [7, 8, 7, 8]
-    speculation.verified(4, 1)
+    speculation.verified(0, 4, 1)
     assert speculation.propose(tokens, 10) == [7, 8]  # one more than it accepted
-    speculation.verified(2, 0)
+    speculation.verified(0, 2, 0)
     assert speculation.propose(tokens, 10) == [7]
     waits = []
     for _ in range(6):  # single drafts that miss: a pause that doubles up to MAX_BACKOFF steps
-        speculation.verified(1, 0)
+        speculation.verified(0, 1, 0)
         skipped = 0
         while not speculation.propose(tokens, 10):
             skipped += 1
         waits.append(skipped)
     assert waits == [1, 2, 4, 8, 16, 16] and MAX_BACKOFF == 16
-    speculation.verified(1, 1)  # a hit: back to the full width, no pause
+    speculation.verified(0, 1, 1)  # a hit: back to the full width, no pause
     assert speculation.propose(tokens, 10) == [7, 8, 7, 8]
     assert speculation.propose(tokens, 2) == [7, 8]  # never more than asked (budget, max_tokens)
     assert (speculation.drafted, speculation.accepted, speculation.verifies) == (13, 2, 9)
