@@ -260,7 +260,8 @@ class LLM:
         """A request with a fresh id for an already validated prompt."""
         return Request(next(self._ids), prompt_tokens, params, params.resolved_seed(), self.model_config.eos_token_ids,
                        grammar=self.grammars.state(params),
-                       speculation=speculation_for(self.args.speculative_config, self.cache.has_states))
+                       speculation=speculation_for(self.args.speculative_config, self.cache.has_states,
+                                                   self.model_config.vocab_size))
 
     # -- generation ------------------------------------------------------------------------
 

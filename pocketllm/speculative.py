@@ -9,18 +9,21 @@ time only.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import importlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "custom")
 # Methods vLLM names that are not built here yet: refused by name rather than as unknown.
 NOT_YET = ("mtp", "eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
 MAX_SPECULATIVE_TOKENS = 32
 MAX_LOOKUP = 64  # the longest n-gram a prompt lookup matches
 DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
-KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "drafter")
+# A custom drafter: the request's tokens so far (prompt and output) and the most drafts wanted -> drafts.
+Drafter = Callable[[Sequence[int], int], Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -29,13 +32,16 @@ class SpeculativeConfig:
     `method` "ngram": prompt lookup, the tokens that followed an earlier occurrence of the longest
     n-gram (prompt_lookup_max down to prompt_lookup_min tokens) that ends the request's tokens so
     far. "draft_model": `model`, a smaller checkpoint directory with the same vocabulary, drafts
-    greedily (the method vLLM infers when only `model` is given)."""
+    greedily (the method vLLM infers when only `model` is given). "custom": `drafter(tokens, count)`
+    (a callable, or its import path "package.module:function") proposes up to `count` tokens after
+    `tokens`, the request's prompt and output so far: a research drafter, or a test's adversary."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: str | None = None
+    drafter: Drafter | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The keys that apply to its method, as `EngineArgs.speculative` shows them."""
@@ -70,6 +76,13 @@ def speculative_config(raw: Mapping[str, Any] | None) -> SpeculativeConfig | Non
     count = _int_key(raw, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
     if count is None:
         raise ValueError(f"speculative['num_speculative_tokens'] is required: an int in [1, {MAX_SPECULATIVE_TOKENS}]")
+    if method == "custom":
+        lookup = [key for key in ("prompt_lookup_min", "prompt_lookup_max", "model") if raw.get(key) is not None]
+        if lookup:
+            raise ValueError(f"speculative{lookup} do not apply to method 'custom'")
+        return SpeculativeConfig(method, count, drafter=_drafter(raw.get("drafter")))
+    if raw.get("drafter") is not None:
+        raise ValueError(f"speculative['drafter'] applies to method 'custom' only, not {method!r}")
     if method == "draft_model":
         if not isinstance(model, (str, Path)) or not str(model):
             raise ValueError(f"speculative['model'] must name the draft checkpoint's directory for method "
@@ -90,3 +103,17 @@ def speculative_config(raw: Mapping[str, Any] | None) -> SpeculativeConfig | Non
     if low > high:
         raise ValueError(f"speculative['prompt_lookup_min']={low} must not exceed prompt_lookup_max={high}")
     return SpeculativeConfig(method, count, low, high)
+
+
+def _drafter(value: Any) -> Drafter:
+    """A custom drafter: a callable, or "package.module:function" imported here."""
+    rule = "a callable (tokens, count) -> drafts, or its import path 'package.module:function'"
+    if isinstance(value, str) and ":" in value:
+        module, _, name = value.partition(":")
+        try:
+            value = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"speculative['drafter'] {value!r} cannot be imported: {exc}") from None
+    if not callable(value):
+        raise ValueError(f"speculative['drafter'] must be {rule}, got {value!r}")
+    return value

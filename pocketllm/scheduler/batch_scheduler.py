@@ -311,7 +311,7 @@ class BatchScheduler(SchedulerLoop):
         grammar = None if self.grammars is None else self.grammars.state(sampling)  # compiled at the check
         request = Request(next(self._ids), prompt, sampling, sampling.resolved_seed(), self.eos_token_ids,
                           priority=priority, subscriber=subscriber, grammar=grammar,
-                          speculation=speculation_for(self.speculative, self.cache.has_states))
+                          speculation=speculation_for(self.speculative, self.cache.has_states, self.vocab_size))
         self._requests[request.request_id] = request
         self.planner.enqueue(request)
         self.counters.counts["prompt_tokens"] += len(prompt)

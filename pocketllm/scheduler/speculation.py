@@ -6,11 +6,13 @@ request's sampler draws (runner.py), so what is proposed changes the speed, neve
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from ..kernels._gated_delta import CHUNK_SIZE
 from ..speculative import SpeculativeConfig
 
+logger = logging.getLogger("pocketllm.scheduler.batch_scheduler")
 MAX_CANDIDATES = 64  # earlier occurrences of the last token a lookup examines, latest first
 MAX_BACKOFF = 16  # the most decode steps a request goes without drafting after its drafts missed
 
@@ -24,10 +26,10 @@ def check_speculative(config: SpeculativeConfig | None, exact_positions: bool) -
                          "backend_options exact_positions=False or decode_per_row=True)")
 
 
-def speculation_for(config: SpeculativeConfig | None, recurrent: bool) -> Speculation | None:
+def speculation_for(config: SpeculativeConfig | None, recurrent: bool, vocab_size: int) -> Speculation | None:
     """A new request's drafting under the engine's config (None: it does not speculate);
     `recurrent`: the model has Gated DeltaNet states (see Speculation)."""
-    return None if config is None else Speculation(config, recurrent)
+    return None if config is None else Speculation(config, recurrent, vocab_size)
 
 
 class NgramIndex:
@@ -77,9 +79,10 @@ class Speculation:
     (CHUNK_SIZE): the replay rows of that chunk, which the kept states go with, are never written
     over by the next chunk's."""
 
-    def __init__(self, config: SpeculativeConfig, recurrent: bool = False) -> None:
+    def __init__(self, config: SpeculativeConfig, recurrent: bool = False, vocab_size: int = 2**31) -> None:
         self.config = config
-        self.recurrent = recurrent
+        self.recurrent, self.vocab_size = recurrent, vocab_size
+        self.refused = False  # a custom drafter's bad proposal was logged
         self.index = NgramIndex()
         self.width = config.num_speculative_tokens
         self.backoff = self.wait = 0
@@ -106,10 +109,29 @@ class Speculation:
         if self.config.method == "draft_model":
             self.pending = count
             return []
+        if self.config.drafter is not None:
+            return self._custom(tokens, count)
         low, high = self.config.prompt_lookup_min, self.config.prompt_lookup_max
         assert low is not None and high is not None  # an n-gram config has both
         self.index.extend(tokens)
         return self.index.propose(count, low, high)
+
+    def _custom(self, tokens: Sequence[int], count: int) -> list[int]:
+        """A custom drafter's drafts, up to `count` token ids in the vocabulary; a drafter that raises
+        or proposes anything else costs the request its drafts (logged once), never its output."""
+        assert self.config.drafter is not None
+        try:
+            drafts = list(self.config.drafter(list(tokens), count))[:count]
+            if all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in drafts):
+                return drafts
+            problem = f"proposed {drafts!r}: token ids in [0, {self.vocab_size}) wanted"
+        except Exception as exc:
+            problem = f"raised {type(exc).__name__}: {exc}"
+        if not self.refused:
+            logger.warning("speculative drafter %r %s; the request goes on without its drafts",
+                           self.config.drafter, problem)
+            self.refused = True
+        return []
 
     def verified(self, start: int, drafted: int, accepted: int) -> None:
         """A verify piece from position `start` of `drafted` drafts accepted the first `accepted`."""
