@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--serving", action="store_true",
                         help="the serving benchmark instead: concurrent clients against `pocketllm serve` on "
                              "loopback vs the in-process AsyncLLM (see pocketllm.bench.serving; tiny preset)")
+    parser.add_argument("--speculative", action="store_true",
+                        help="the speculative decoding benchmark instead: each method against none, lookup-friendly "
+                             "and random workloads, batch 1 and 8, at Qwen3-0.6B and Qwen3.5-0.8B shapes (see "
+                             "pocketllm.bench.speculative; tiny presets with --quick)")
     parser.add_argument("--clients", type=int, default=8, help="concurrent clients (and slots) of --serving")
     parser.add_argument("--device", default="cpu", help="device of the --scheduling runs")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
@@ -121,6 +125,11 @@ def _run(args: argparse.Namespace) -> int:
         from .scheduling import run as run_scheduling
 
         print(run_scheduling(args.out, args.quick, args.seed, args.device, "plots" not in skipped))
+        return 0
+    if args.speculative:
+        from .speculative import run as run_speculative
+
+        print(run_speculative(args.out, args.quick, args.seed, (args.preset,) if args.preset else None))
         return 0
     if args.serving:
         from .serving import run as run_serving
