@@ -153,8 +153,8 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
         raise ValueError(f"{target} exists and is not a directory")
     if target.is_dir() and any(target.iterdir()) and not args.force:
         raise ValueError(f"{target} is not empty; pass --force to replace the checkpoint files in it")
-    path = write_checkpoint(args.directory, args.preset, seed=args.seed, multimodal=args.multimodal)
-    layout = " in the multimodal layout" if args.multimodal else ""
+    path = write_checkpoint(args.directory, args.preset, seed=args.seed, multimodal=args.multimodal, mtp=args.mtp)
+    layout = (" in the multimodal layout" if args.multimodal else "") + (" with its MTP layer" if args.mtp else "")
     print(f"wrote {args.preset!r} checkpoint (seed {args.seed}){layout} to {path}")
     return 0
 
@@ -192,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--multimodal", action="store_true",
                       help="Qwen3.5 (and Qwen3.5-MoE) presets: write the ...ForConditionalGeneration layout")
+    make.add_argument("--mtp", action="store_true",
+                      help="Qwen3.5 presets: also write the multi-token-prediction layer (mtp.*), as published")
     make.add_argument("--force", action="store_true",
                       help="write into a non-empty directory, replacing an earlier checkpoint's files")
     make.add_argument("directory", help="output directory")

@@ -32,7 +32,7 @@ from .parallel.tree import tree_enabled
 from .runner import ModelRunner
 from .sampling import SamplingParams, params_for
 from .scheduler import BatchScheduler, PrefillPolicy, Request, check_submission, is_array
-from .scheduler.draft_model import DraftModel
+from .scheduler.drafters import drafter_for
 from .scheduler.policy import check_preemption_mode
 from .scheduler.serial import run_serial
 from .scheduler.slots import SlotManager
@@ -149,8 +149,7 @@ class LLM:
                 self.cache = ParallelCache(args.max_batch_size, args.max_seq_len, specs, args.torch_dtype,
                                            self.device, replay, self.workers)
             self.runner = ModelRunner(self.model, self.cache, self.device, self.workers)
-            spec = args.speculative_config  # a draft model: loaded beside the target, on rank 0 only
-            self.drafter = DraftModel(args, spec.model, self.model_config.vocab_size) if spec and spec.model else None
+            self.drafter = drafter_for(args, self.model)  # a draft model or the MTP layer, on rank 0 only
             return self._check_invariance()
         except BaseException:
             if self.workers is not None:

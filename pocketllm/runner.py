@@ -10,6 +10,8 @@ is putting their states back before a failed batch is rerun: see `scheduler/exec
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -88,6 +90,7 @@ class SequenceOutput:
     sampled: TokenLogprob | None = None
     scores: tuple[TokenLogprob, ...] = ()
     accepted: tuple[TokenLogprob, ...] = ()
+    hidden: torch.Tensor | None = None  # its rows' final-normed hidden states, when the model keeps them
 
 
 class NonFiniteOutputError(RuntimeError):
@@ -171,10 +174,16 @@ class ModelRunner:
         def token(row: int) -> TokenLogprob:
             return TokenLogprob(*sampled[row], tops[row][1] if row in tops else ())
 
-        return [SequenceOutput(token(emitted[i][0]), accepted=tuple(map(token, emitted[i][1:]))) if i in emitted
-                else SequenceOutput(None if row is None else token(row), tuple(
-                    TokenLogprob(target, tops[r][0], tops[r][1]) for r, target in zip(rows_of, s.targets)))
-                for i, (s, rows_of, row) in enumerate(zip(seqs, scored, sample_rows))]
+        outputs = [SequenceOutput(token(emitted[i][0]), accepted=tuple(map(token, emitted[i][1:]))) if i in emitted
+                   else SequenceOutput(None if row is None else token(row), tuple(
+                       TokenLogprob(target, tops[r][0], tops[r][1]) for r, target in zip(rows_of, s.targets)))
+                   for i, (s, rows_of, row) in enumerate(zip(seqs, scored, sample_rows))]
+        normed = self.model.normed if self.model.keep_normed else None
+        if normed is not None:  # each sequence's token rows, in the batch's order
+            ends = list(itertools.accumulate(len(s.token_ids) for s in seqs))
+            outputs = [dataclasses.replace(o, hidden=normed[end - len(s.token_ids):end])
+                       for o, s, end in zip(outputs, seqs, ends)]
+        return outputs
 
     def _sample(self, logits: torch.Tensor, draws: list[_Draw]) -> dict[int, tuple[int, float]]:
         """logit row -> (token, logprob) sampled there, for each of `draws`. A sequence with a grammar

@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-METHODS = ("ngram", "draft_model", "custom")
+METHODS = ("ngram", "draft_model", "mtp", "custom")
 # Methods vLLM names that are not built here yet: refused by name rather than as unknown.
-NOT_YET = ("mtp", "eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
+NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
 MAX_SPECULATIVE_TOKENS = 32
 MAX_LOOKUP = 64  # the longest n-gram a prompt lookup matches
 DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
@@ -32,7 +32,8 @@ class SpeculativeConfig:
     `method` "ngram": prompt lookup, the tokens that followed an earlier occurrence of the longest
     n-gram (prompt_lookup_max down to prompt_lookup_min tokens) that ends the request's tokens so
     far. "draft_model": `model`, a smaller checkpoint directory with the same vocabulary, drafts
-    greedily (the method vLLM infers when only `model` is given). "custom": `drafter(tokens, count)`
+    greedily (the method vLLM infers when only `model` is given). "mtp": the checkpoint's own
+    multi-token-prediction layer (Qwen3.5's `mtp.*` tensors) drafts greedily. "custom": `drafter(tokens, count)`
     (a callable, or its import path "package.module:function") proposes up to `count` tokens after
     `tokens`, the request's prompt and output so far: a research drafter, or a test's adversary."""
 
@@ -76,10 +77,14 @@ def speculative_config(raw: Mapping[str, Any] | None) -> SpeculativeConfig | Non
     count = _int_key(raw, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
     if count is None:
         raise ValueError(f"speculative['num_speculative_tokens'] is required: an int in [1, {MAX_SPECULATIVE_TOKENS}]")
-    if method == "custom":
-        lookup = [key for key in ("prompt_lookup_min", "prompt_lookup_max", "model") if raw.get(key) is not None]
-        if lookup:
-            raise ValueError(f"speculative{lookup} do not apply to method 'custom'")
+    if method in ("custom", "mtp"):
+        others = [key for key in ("prompt_lookup_min", "prompt_lookup_max", "model") if raw.get(key) is not None]
+        if others:
+            raise ValueError(f"speculative{others} do not apply to method {method!r}")
+        if method == "mtp":
+            if raw.get("drafter") is not None:
+                raise ValueError("speculative['drafter'] applies to method 'custom' only, not 'mtp'")
+            return SpeculativeConfig(method, count)
         return SpeculativeConfig(method, count, drafter=_drafter(raw.get("drafter")))
     if raw.get("drafter") is not None:
         raise ValueError(f"speculative['drafter'] applies to method 'custom' only, not {method!r}")

@@ -284,6 +284,9 @@ class DecoderModel:
     embedding and lm_head hold a block of the vocabulary, and the logits are gathered in rank order.
     """
 
+    keep_normed = False  # set for an MTP layer: forward keeps every row's final-normed hidden state
+    normed: torch.Tensor | None = None  # ... of the latest forward, there
+
     def __init__(self, cfg: ModelConfig, weights: Weights, ops: Ops, max_seq_len: int, tp: TensorParallel = SINGLE,
                  prefix: str = "model.") -> None:
         self.cfg = cfg
@@ -335,6 +338,8 @@ class DecoderModel:
         hidden = self._embed(batch.input_ids)
         for index, block in enumerate(self.blocks):
             hidden = block.forward(rows_ops, hidden, batch, cache, index, eps)
+        if self.keep_normed:
+            self.normed = ops.rms_norm(hidden, self.final_norm, eps)
         if batch.logit_rows.numel() == 0:  # only prefill pieces that end inside their prompts, unscored
             return hidden.new_empty(0, self.lm_head.shape[0], dtype=torch.float32)
         last = hidden.index_select(0, batch.logit_rows)

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from ..config import ModelConfig
 from ..tokenizer import byte_level_tokenizer_files
+from .mtp import mtp_weights
 from .registry import FAMILIES, config_from_dict, family_of
 
 PRESETS: dict[str, dict[str, Any]] = {name: raw for family in FAMILIES for name, raw in family.presets.items()}
@@ -56,10 +57,13 @@ def _remove_checkpoint_files(path: Path) -> None:
 
 
 def write_checkpoint(path: str | Path, preset: str = "tiny", seed: int = 0, init_std: float = 0.02,
-                     max_shard_bytes: int | None = None, multimodal: bool = False, **overrides: Any) -> Path:
+                     max_shard_bytes: int | None = None, multimodal: bool = False, mtp: bool = False,
+                     **overrides: Any) -> Path:
     """Write a random checkpoint of `preset` (config fields replaced by `overrides`) to `path`.
 
     `multimodal=True` writes the family's multimodal layout (Qwen3.5: Qwen3_5ForConditionalGeneration).
+    `mtp=True` (Qwen3.5 families) also writes the multi-token-prediction layer, `mtp.*` beside the
+    model as published, and `mtp_num_hidden_layers: 1`; the model's own tensors are the same as without.
     With `max_shard_bytes`, weights are split into model-0000N-of-0000M.safetensors shards with a
     model.safetensors.index.json, as large Hugging Face checkpoints are.
     A byte-level tokenizer.json and tokenizer_config.json come with it (see pocketllm.tokenizer),
@@ -75,12 +79,16 @@ def write_checkpoint(path: str | Path, preset: str = "tiny", seed: int = 0, init
         with_layout = sorted(name for family in FAMILIES if family.multimodal for name in family.presets)
         raise ValueError(f"multimodal=True needs a preset of a family with a multimodal layout ({with_layout}), "
                          f"got {preset!r}")
+    if mtp and not family_of(cfg).gated_attention:
+        raise ValueError(f"mtp=True needs a Qwen3.5 preset (a family that ships an MTP layer), got {preset!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     _remove_checkpoint_files(path)
     weights = random_weights(cfg, seed, init_std)
     if multimodal and nest is not None:
         raw, weights = nest(raw, weights)
+    if mtp:
+        _add_mtp(raw, weights, cfg, seed, init_std)
     (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": raw["eos_token_id"]}, indent=2) + "\n")
     tokenizer_files = byte_level_tokenizer_files(cfg.vocab_size, cfg.eos_token_ids, cfg.max_position_embeddings)
@@ -107,6 +115,14 @@ def write_checkpoint(path: str | Path, preset: str = "tiny", seed: int = 0, init
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return path
+
+
+def _add_mtp(raw: dict[str, Any], weights: dict[str, torch.Tensor], cfg: ModelConfig, seed: int,
+             init_std: float) -> None:
+    """The MTP layer's tensors (from a generator of their own: the model's stay as without) and its
+    config key, in the text config where the layout nests one."""
+    weights.update(mtp_weights(cfg, torch.Generator().manual_seed(seed + 1), init_std))
+    raw.get("text_config", raw)["mtp_num_hidden_layers"] = 1
 
 
 def cache_dir() -> Path:

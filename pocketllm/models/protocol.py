@@ -19,6 +19,8 @@ from .batch import ForwardBatch
 class Model(Protocol):
     cfg: ModelConfig
     ops: Ops  # the engine's one op table: every op the model and the sampler run
+    keep_normed: bool  # forward keeps `normed`, every token row's final-normed hidden state (MTP drafts)
+    normed: torch.Tensor | None
 
     @property
     def dtype(self) -> torch.dtype:

@@ -31,7 +31,7 @@ from ..runner import ModelRunner
 from ..sampling import SamplingParams
 from ..speculative import SpeculativeConfig
 from .delivery import Callback, Delivery, Subscriber, TokenCallback, token_delta
-from .draft_model import DraftModel
+from .draft_model import Drafting
 from .loop import SchedulerLoop
 from .planner import Planner
 from .policy import PrefillPolicy, check_policy, check_preemption_mode
@@ -59,7 +59,7 @@ class BatchScheduler(SchedulerLoop):
                  max_waiting: int = 0, max_swap_bytes: int = 0,
                  detokenize: Callable[[list[int]], str] | None = None, exact_positions: bool = False,
                  preemption_mode: PreemptionMode = "swap", grammars: Grammars | None = None,
-                 speculative: SpeculativeConfig | None = None, drafter: DraftModel | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, drafter: Drafting | None = None) -> None:
         """`max_waiting`: submissions refused (or made to wait) beyond this many waiting requests;
         `max_swap_bytes`: host memory preempted requests may hold (0: no limit, for both).
         `detokenize`: token ids -> text; with it, results and token deltas carry text.

@@ -37,7 +37,44 @@ def draft_args(target: EngineArgs, path: str) -> EngineArgs:
                       weight_dtype=target.weight_dtype, bf16_product=target.bf16_product)
 
 
-class DraftModel:
+class Drafting:
+    """What every model that drafts in the step shares: its slots' owners, and turning decode rows
+    into verify pieces (`fill`); a subclass says how its drafts are made (`_draft`)."""
+
+    owner: list[int | None]  # per slot: the request it drafts for
+
+    def fill(self, work: Work) -> Work:
+        """`work` with the decode rows of requests allowed drafts turned into verify pieces (a failed
+        draft forward only costs the drafts: the rows stay decode rows)."""
+        asked = [(i, request) for i, (request, seq) in enumerate(work)
+                 if seq.decode and request.speculation is not None and request.speculation.pending]
+        if not asked:
+            return work
+        try:
+            drafts = self._draft([request for _, request in asked])
+        except Exception:
+            logger.exception("the draft forward failed; these requests decode without drafts")
+            drafts = [[] for _ in asked]
+        filled = list(work)
+        for (i, request), tokens in zip(asked, drafts):
+            assert request.speculation is not None
+            request.speculation.pending = 0
+            if tokens:
+                filled[i] = (request, request.verify_input(tokens))
+        return filled
+
+    def _draft(self, requests: list[Request]) -> list[list[int]]:
+        raise NotImplementedError
+
+    def _owned(self, request: Request) -> bool:
+        """Whether the request's slot still holds what it wrote there; it owns the slot from now on."""
+        slot = request.assigned_slot
+        mine = self.owner[slot] == request.request_id
+        self.owner[slot] = request.request_id
+        return mine
+
+
+class DraftModel(Drafting):
     """The draft checkpoint loaded beside the target, with `num_slots` slots of its own.
     ValueError naming the field for a draft the engine cannot use: another vocabulary size, or
     Gated DeltaNet layers (a draft's state would have to roll back with the target's; not yet)."""
@@ -57,27 +94,7 @@ class DraftModel:
         self.cache = SlotCache(args.max_batch_size, args.max_seq_len, model.cache_specs(), args.torch_dtype,
                                self.device)
         self.runner = ModelRunner(model, self.cache, self.device)
-        self.owner: list[int | None] = [None] * args.max_batch_size  # per slot: the request it drafts for
-
-    def fill(self, work: Work) -> Work:
-        """`work` with the decode rows of requests allowed drafts turned into verify pieces (a failed
-        draft forward only costs the drafts: the rows stay decode rows)."""
-        asked = [(i, request) for i, (request, seq) in enumerate(work)
-                 if seq.decode and request.speculation is not None and request.speculation.pending]
-        if not asked:
-            return work
-        try:
-            drafts = self._draft([request for _, request in asked])
-        except Exception:
-            logger.exception("the draft model's forward failed; these requests decode without drafts")
-            drafts = [[] for _ in asked]
-        filled = list(work)
-        for (i, request), tokens in zip(asked, drafts):
-            assert request.speculation is not None
-            request.speculation.pending = 0
-            if tokens:
-                filled[i] = (request, request.verify_input(tokens))
-        return filled
+        self.owner = [None] * args.max_batch_size
 
     def _draft(self, requests: list[Request]) -> list[list[int]]:
         """Each request's greedy drafts, as many as its `pending` allows."""
@@ -85,8 +102,8 @@ class DraftModel:
         for request in requests:
             speculation, slot = request.speculation, request.assigned_slot
             assert speculation is not None
-            if self.owner[slot] != request.request_id:  # written for another request since
-                self.owner[slot], speculation.draft_cached = request.request_id, 0
+            if not self._owned(request):  # written for another request since
+                speculation.draft_cached = 0
             tokens = request.prompt_tokens + request.token_ids
             start = min(speculation.draft_cached, len(tokens) - 1)
             seqs.append(SequenceInput(slot, start, tokens[start:], GREEDY, 0, decode=len(tokens) - start == 1))

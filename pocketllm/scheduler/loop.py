@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from ..machine import release_openmp_team
 from ..runner import ModelRunner
 from .delivery import Delivery
-from .draft_model import DraftModel
+from .draft_model import Drafting
 from .execute import Outcome, Work, execute
 from .planner import Planner
 from .request import Request
@@ -27,7 +27,7 @@ class SchedulerLoop:
     """The state the loop shares with the facade is set up by BatchScheduler.__init__."""
 
     runner: ModelRunner
-    drafter: DraftModel | None
+    drafter: Drafting | None
     slots: SlotManager
     planner: Planner
     delivery: Delivery

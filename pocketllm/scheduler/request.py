@@ -247,6 +247,8 @@ class Request:
                 self.append(sampled)
         if seq.drafts and self.speculation is not None:
             self.speculation.verified(seq.start, len(seq.drafts), len(output.accepted))
+        if output.hidden is not None and self.speculation is not None:  # the rows of its tokens that stand
+            self.speculation.observe(seq.start, output.hidden[:len(output.accepted) + 1 if seq.drafts else None])
 
     def restart(self) -> None:
         """Preempted by recompute, its slot freed: once readmitted, it prefills its prompt and every

@@ -6,14 +6,14 @@ from collections.abc import Callable
 
 from ..outputs import GenerationResult
 from ..runner import ModelRunner
-from .draft_model import DraftModel
+from .draft_model import Drafting
 from .policy import PrefillPolicy
 from .request import Request
 from .slots import SlotManager
 
 
 def run_serial(runner: ModelRunner, slots: SlotManager, policy: PrefillPolicy, request: Request,
-               drafter: DraftModel | None = None, detokenize: Callable[[list[int]], str] | None = None
+               drafter: Drafting | None = None, detokenize: Callable[[list[int]], str] | None = None
                ) -> GenerationResult:
     """Prefill piece by piece (the cuts of the batched path), then decode one token at a time (or
     verify drafts), cold: nothing is reused. An exception ends the request "error", not the engine."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import torch
+
 from ..kernels._gated_delta import CHUNK_SIZE
 from ..speculative import SpeculativeConfig
 
@@ -87,8 +89,10 @@ class Speculation:
         self.width = config.num_speculative_tokens
         self.backoff = self.wait = 0
         self.drafted = self.accepted = self.verifies = 0
-        self.pending = 0  # draft_model: the drafts its model may propose before this step's forward
-        self.draft_cached = 0  # draft_model: positions of the request's tokens its draft slot holds
+        self.pending = 0  # draft_model, mtp: the drafts its model may propose before this step's forward
+        self.draft_cached = 0  # draft_model, mtp: positions its draft slot holds (mtp: pairs, see mtp_drafts.py)
+        self.hidden: torch.Tensor | None = None  # mtp: the model's normed hidden states of positions
+        self.hidden_start = 0  # hidden_start.., as the forwards gave them and the MTP layer has not fed yet
 
     def most_drafts(self, start: int, most: int) -> int:
         """The most drafts a verify piece from position `start` may hold: `most`, and on a recurrent
@@ -106,7 +110,7 @@ class Speculation:
             self.wait -= 1
             return []
         count = min(self.width, most)
-        if self.config.method == "draft_model":
+        if self.config.method in ("draft_model", "mtp"):
             self.pending = count
             return []
         if self.config.drafter is not None:
@@ -115,6 +119,27 @@ class Speculation:
         assert low is not None and high is not None  # an n-gram config has both
         self.index.extend(tokens)
         return self.index.propose(count, low, high)
+
+    def observe(self, start: int, rows: torch.Tensor) -> None:
+        """The model's normed hidden states of positions start.. (rows it computed for the request's
+        tokens), kept for the MTP layer: appended, or in place of what they overlap or leave a gap to."""
+        held = self.hidden
+        if held is not None and self.hidden_start <= start <= self.hidden_start + held.shape[0]:
+            self.hidden = torch.cat([held[:start - self.hidden_start], rows])
+        else:  # a copy: `rows` may be a view of the whole batch's rows
+            self.hidden, self.hidden_start = rows.clone(), start
+
+    def hidden_rows(self, begin: int, end: int) -> torch.Tensor | None:
+        """The kept hidden states of positions begin..end-1, None unless all are kept."""
+        held, first = self.hidden, begin - self.hidden_start
+        if held is None or first < 0 or end - self.hidden_start > held.shape[0]:
+            return None
+        return held[first:end - self.hidden_start]
+
+    def forget_hidden(self, below: int) -> None:
+        """Drop the kept hidden states of positions below `below` (the MTP layer has fed them)."""
+        if self.hidden is not None and below > self.hidden_start:
+            self.hidden, self.hidden_start = self.hidden[below - self.hidden_start:], below
 
     def _custom(self, tokens: Sequence[int], count: int) -> list[int]:
         """A custom drafter's drafts, up to `count` token ids in the vocabulary; a drafter that raises
