@@ -22,6 +22,8 @@ class GenerationResult:
     prompt token (None for the first, which nothing predicts): its logprob given the tokens before
     it, and (k >= 1) that position's k best tokens. Every logprob is the log-softmax of the raw
     logits, as for generated tokens; None where not asked for.
+    spec_draft_tokens / spec_accepted_tokens: with speculative decoding, the tokens drafted for
+    this request and those accepted (0 without); its tokens and logprobs are the same either way.
     """
 
     request_id: int
@@ -37,3 +39,5 @@ class GenerationResult:
     top_logprobs: list[TopLogprobs] | None = None
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[TopLogprobs | None] | None = None
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0

@@ -303,6 +303,8 @@ class Request:
             top_logprobs=None if params.logprobs is None else [list(top) for top in self.top_logprobs],
             prompt_logprobs=self.prompt_logprobs(),
             prompt_top_logprobs=self.prompt_top_logprobs(),
+            spec_draft_tokens=0 if self.speculation is None else self.speculation.drafted,
+            spec_accepted_tokens=0 if self.speculation is None else self.speculation.accepted,
         )
 
     def prompt_logprobs(self) -> list[float | None] | None:

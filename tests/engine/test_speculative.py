@@ -173,8 +173,12 @@ def test_speculation_changes_nothing_with_logits_controls_serial_and_batched(tin
     with engine(None) as plain:
         expected = _outputs(plain.generate(PROMPTS, PARAMS))
     with engine(NGRAM) as speculating:
-        assert _outputs(speculating.generate(PROMPTS, PARAMS)) == expected
+        results = speculating.generate(PROMPTS, PARAMS)
+        assert _outputs(results) == expected
+        assert all(0 <= r.spec_accepted_tokens <= r.spec_draft_tokens for r in results)
+        assert sum(r.spec_accepted_tokens for r in results) > 0  # per request, serial and batched
         if batched:
+            assert sum(r.spec_draft_tokens for r in results) == speculating.scheduler.get_stats().spec_draft_tokens
             stats = speculating.scheduler.get_stats()
             assert stats.spec_accepted_tokens > 0 and stats.spec_draft_tokens > stats.spec_accepted_tokens
             assert stats.spec_mean_accepted_length == 1 + stats.spec_accepted_tokens / stats.spec_verifies
