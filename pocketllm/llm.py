@@ -368,6 +368,7 @@ class LLM:
             self.tokenizer = load_tokenizer(self.args.model, required=True)
         return [self.tokenizer.encode(text, add_special_tokens=False).ids for text in prompts]
 
+
 def _on_own_thread(fn: Callable[[], T]) -> T:
     """fn() on a short-lived thread (its OpenMP team ends with it); its exception is raised here."""
     box: list[Any] = []

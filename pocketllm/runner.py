@@ -164,7 +164,7 @@ class ModelRunner:
         emitted = {i: rows_of[:_verified(seqs[i], [sampled[row] for row in rows_of])] for i, rows_of in verify.items()}
         # Rows to score: every target, and each sampled token whose alternatives are asked for.
         wanted = [(row, target, s.params.prompt_logprobs or 0)
-                  for s, rows_of in zip(seqs, scored) if not s.drafts for row, target in zip(rows_of, s.targets)]
+                  for s, rows_of in zip(seqs, scored) for row, target in zip(rows_of, s.targets)]
         wanted += [(row, sampled[row][0], s.params.logprobs) for i, (s, row) in enumerate(zip(seqs, sample_rows))
                    if row is not None and i not in verify and s.params.logprobs]
         wanted += [(row, sampled[row][0], seqs[i].params.logprobs or 0) for i, rows_of in emitted.items()

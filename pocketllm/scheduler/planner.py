@@ -96,10 +96,10 @@ class Planner:
             except Exception as exc:  # it ends "error" (a slot it took is freed); the rest still run
                 self._fail_admission(request, exc)
                 continue
-            piece = request.decode_input(budget - 1) if not request.prefilling else self._piece(request, budget)
-            assert piece is not None  # _admit checked that it fits
-            budget -= len(piece.token_ids)
-            work.append((request, piece))
+            admitted = request.decode_input(budget - 1) if not request.prefilling else self._piece(request, budget)
+            assert admitted is not None  # _admit checked that it fits
+            budget -= len(admitted.token_ids)
+            work.append((request, admitted))
         for request, item in work:
             request.in_flight = item
         return work
