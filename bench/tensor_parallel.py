@@ -1,12 +1,16 @@
-"""Tensor parallelism: tokens/s at TP=1 and TP=2, and what the fixed reduction tree costs.
+"""Tensor parallelism: tokens/s at TP=1 and TP=2, what the fixed reduction tree costs, and the bytes
+a rank moves per decode step.
 
 Four engines on one random-weight checkpoint, each running the same batched workload (requests of
 `--prompt` tokens generating `--new` tokens each, all submitted at once): TP=1 with one product per
-row-parallel matrix (no tree), TP=1 with the tree, TP=2 with the tree, TP=2 with a plain all-reduce.
+row-parallel matrix (no tree), TP=1 with the tree, TP=2 with the tree, TP=2 with a plain all-reduce;
+on a mixture-of-experts preset also EP=2 (whole experts per rank) with and without the tree.
 Every engine runs the fixed-order kernels (`exact_positions`), which the guarantee across sizes
-rests on; the report says whether each configuration's outputs equal TP=1-with-tree's bit for bit.
-On a CPU the ranks share its cores (each rank gets cores / size threads), so TP=2 is not expected
-to be faster here; on a machine with several GPUs pass `--device cuda`.
+rests on; the report says whether each configuration's outputs equal TP=1-with-tree's bit for bit,
+and what rank 0 put into collectives per decode step of the whole batch (the run's bytes less a
+prefill-only run's, over the decode steps). On a CPU the ranks share its cores (each rank gets
+cores / size threads), so TP=2 is not expected to be faster here; on a machine with several GPUs
+pass `--device cuda`.
 
     python bench/tensor_parallel.py [--preset small] [--requests 8] [--prompt 64] [--new 32] [--sizes 1 2]
                                     [--out bench/results]
@@ -25,17 +29,29 @@ import torch
 
 from pocketllm import LLM, EngineArgs, SamplingParams
 from pocketllm.bench.report import load_average, machine_info, save_report
+from pocketllm.models import read_config
 from pocketllm.models.presets import cached_checkpoint
 
-CONFIGS = (("TP=1, no tree", 1, False), ("TP=1, tree", 1, True), ("TP=2, tree", 2, True),
-           ("TP=2, plain all-reduce", 2, False))
+# (name, size, tree, expert parallel)
+CONFIGS = (("TP=1, no tree", 1, False, False), ("TP=1, tree", 1, True, False), ("TP=2, tree", 2, True, False),
+           ("TP=2, plain all-reduce", 2, False, False))
+EXPERT_CONFIGS = (("EP=2, tree", 2, True, True), ("EP=2, plain all-reduce", 2, False, True))
 
 
-def run_config(path: str, size: int, tree: bool, device: str, prompts: list[list[int]], new: int,
-               cores: int) -> dict[str, Any]:
+def _sent_and_steps(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list[Any], int, int]:
+    """(results, bytes rank 0 put into collectives, scheduler steps) of one batched generate."""
+    assert llm.scheduler is not None
+    sent, steps = llm.model.tp.sent_bytes, llm.scheduler.get_stats().steps
+    results = llm.generate(prompts, params)
+    return results, llm.model.tp.sent_bytes - sent, llm.scheduler.get_stats().steps - steps
+
+
+def run_config(path: str, size: int, tree: bool, expert_parallel: bool, device: str, prompts: list[list[int]],
+               new: int, cores: int) -> dict[str, Any]:
     torch.set_num_threads(max(1, cores // size if device == "cpu" else cores))  # the workers take this count
     started = time.perf_counter()
     llm = LLM(EngineArgs(model=path, device=device, max_seq_len=len(prompts[0]) + new + 8, tensor_parallel_size=size,
+                         enable_expert_parallel=expert_parallel,
                          backend_options={"enable_batching": True, "max_batch_size": len(prompts),
                                           "exact_positions": True, "tree_reduction": tree}))
     load_s = time.perf_counter() - started
@@ -43,13 +59,16 @@ def run_config(path: str, size: int, tree: bool, device: str, prompts: list[list
     try:
         llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
         started = time.perf_counter()
-        results = llm.generate(prompts, params)
+        results, sent, steps = _sent_and_steps(llm, prompts, params)
         elapsed = time.perf_counter() - started
+        _, prefill_sent, prefill_steps = _sent_and_steps(llm, prompts, SamplingParams(max_tokens=1, ignore_eos=True))
     finally:
         llm.close()
     tokens = sum(len(r.token_ids) for r in results)
-    return {"tensor_parallel_size": size, "tree": tree, "threads_per_rank": torch.get_num_threads(),
-            "load_s": load_s, "seconds": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed,
+    decode_bytes = (sent - prefill_sent) / max(1, steps - prefill_steps)
+    return {"tensor_parallel_size": size, "tree": tree, "expert_parallel": expert_parallel,
+            "threads_per_rank": torch.get_num_threads(), "load_s": load_s, "seconds": elapsed, "tokens": tokens,
+            "tokens_per_s": tokens / elapsed, "bytes_per_decode_step": decode_bytes,
             "outputs": [(r.token_ids, r.logprobs) for r in results]}
 
 
@@ -59,12 +78,13 @@ def markdown(report: dict[str, Any]) -> str:
              f"({report['prompt']} in, {report['new']} out), {report['device']}",
              "", f"Machine: {machine.get('processor', '?')}, {machine.get('cpu_count', '?')} cores; "
              f"load average at the end {report['load_average_1min_at_end']}", "",
-             "| configuration | threads/rank | tokens/s | vs TP=1 no tree | bitwise = TP=1 tree |",
-             "|---|---|---|---|---|"]
+             "| configuration | threads/rank | tokens/s | vs TP=1 no tree | bitwise = TP=1 tree | "
+             "KiB sent per decode step (rank 0) |", "|---|---|---|---|---|---|"]
     base = report["configs"]["TP=1, no tree"]["tokens_per_s"]
     for name, row in report["configs"].items():
         lines.append(f"| {name} | {row['threads_per_rank']} | {row['tokens_per_s']:.1f} | "
-                     f"{row['tokens_per_s'] / base:.2f}x | {'yes' if row['same_as_tree'] else 'no'} |")
+                     f"{row['tokens_per_s'] / base:.2f}x | {'yes' if row['same_as_tree'] else 'no'} | "
+                     f"{row['bytes_per_decode_step'] / 1024:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -83,9 +103,10 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 200, (args.prompt,), generator=generator).tolist() for _ in range(args.requests)]
     configs: dict[str, Any] = {}
-    for name, size, tree in (c for c in CONFIGS if c[1] in args.sizes):
+    experts = EXPERT_CONFIGS if read_config(path).num_experts else ()
+    for name, size, tree, expert_parallel in (c for c in CONFIGS + experts if c[1] in args.sizes):
         print(f"{name}: running", flush=True)
-        row = run_config(path, size, tree, args.device, prompts, args.new, cores)
+        row = run_config(path, size, tree, expert_parallel, args.device, prompts, args.new, cores)
         configs[name] = row
         print(f"{name}: {row['tokens_per_s']:.1f} tokens/s ({row['threads_per_rank']} threads per rank, "
               f"loaded in {row['load_s']:.1f} s)", flush=True)

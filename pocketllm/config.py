@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import torch
 
-from .config_fields import REQUIRED, CheckpointError, Fields, short
+from .config_fields import REQUIRED, CheckpointError, Fields, check_device, short
 from .kernels import backends
 from .kernels.registry import ImplSpec, check_overrides
 from .options import Options, parse_backend_options
@@ -61,6 +61,10 @@ class EngineArgs:
     bit what an fp32 engine computes on the checkpoint's matrices rounded to bf16. Both keep every
     invariance promise; the experts of MoE layers widen in both.
 
+    `enable_expert_parallel` (vLLM's name): above one rank a mixture of experts' ranks hold whole
+    experts, a block each, rather than a block of every expert's features; the same bits either way
+    with the reduction tree (see `pocketllm.models.experts`). No effect on dense models.
+
     `speculative` (None: off): vLLM's `speculative_config` dict, checked into `speculative_config`
     (`pocketllm.speculative`): drafts verified so that the output is bitwise the output without them."""
 
@@ -72,6 +76,7 @@ class EngineArgs:
     backend_options: dict[str, Any] | None = None
     op_overrides: dict[str, ImplSpec] | None = None
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     weight_dtype: DTypeName | None = None
     bf16_product: str = "dot"
     speculative: dict[str, Any] | None = None
@@ -122,27 +127,8 @@ def _check_engine_fields(args: EngineArgs) -> None:
     size = args.tensor_parallel_size
     if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 64:
         raise ValueError(f"tensor_parallel_size must be an int in [1, 64], got {short(size)}")
-
-
-def check_device(value: Any, name: str = "device") -> None:
-    """A device this machine has: 'cpu', or 'cuda' / 'cuda:N' when torch sees that CUDA device.
-    TypeError/ValueError naming `name` (a field, or a command's option such as "--device"), the value
-    and what it takes: a typo or a missing GPU is refused before anything is built."""
-    if not isinstance(value, (str, torch.device)):
-        raise TypeError(f"{name} must be 'cpu' or 'cuda[:index]', got {type(value).__name__}")
-    try:
-        device = torch.device(value)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"{name} must be 'cpu' or 'cuda[:index]', got {short(value)}") from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ValueError(f"{name} {str(value)!r} is not available: torch finds no CUDA device here; use 'cpu'")
-        if device.index is not None and device.index >= count:
-            raise ValueError(f"{name} {str(value)!r} is not available: the CUDA devices here are "
-                             f"cuda:0..cuda:{count - 1}")
-    elif device.type != "cpu":
-        raise ValueError(f"{name} must be 'cpu' or 'cuda[:index]', got {str(value)!r}")
+    if not isinstance(args.enable_expert_parallel, bool):
+        raise ValueError(f"enable_expert_parallel must be True or False, got {short(args.enable_expert_parallel)}")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Typed reading of a config.json's fields, under every name a transformers version writes them.
+"""Typed reading of a config.json's fields, under every name a transformers version writes them,
+and the check of the one engine field that asks the machine (`check_device`).
 
 Checkpoints saved by transformers 4.x and 5.x spell some fields differently (see `ALIASES`), and both
 are published: `ModelConfig` reads either spelling, and refuses a file in which two spellings of
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import math
 from typing import Any, NoReturn
+
+import torch
 
 # The name `ModelConfig` reads -> where config.json may hold it, each written by some transformers
 # version ("a.b": key b of the object a). Recorded from `XConfig(...).save_pretrained()` under
@@ -115,3 +118,24 @@ class Fields:
         if not (math.isfinite(value) and value > 0):
             self.fail(self.find(key)[0], "must be a finite number > 0", value)
         return value
+
+
+def check_device(value: Any, name: str = "device") -> None:
+    """A device this machine has: 'cpu', or 'cuda' / 'cuda:N' when torch sees that CUDA device.
+    TypeError/ValueError naming `name` (a field, or a command's option such as "--device"), the value
+    and what it takes: a typo or a missing GPU is refused before anything is built."""
+    if not isinstance(value, (str, torch.device)):
+        raise TypeError(f"{name} must be 'cpu' or 'cuda[:index]', got {type(value).__name__}")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{name} must be 'cpu' or 'cuda[:index]', got {short(value)}") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"{name} {str(value)!r} is not available: torch finds no CUDA device here; use 'cpu'")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"{name} {str(value)!r} is not available: the CUDA devices here are "
+                             f"cuda:0..cuda:{count - 1}")
+    elif device.type != "cpu":
+        raise ValueError(f"{name} must be 'cpu' or 'cuda[:index]', got {str(value)!r}")

@@ -95,8 +95,9 @@ def bits_settings(llm: LLM) -> dict[str, Any]:
         settings["instruction_sets"] = _instruction_sets(ops)
     if args.backend == "triton" and HAS_TRITON:
         settings["triton"] = triton.__version__
-    if not caps.tree_reduction:  # one product per rank and a plain all-reduce: the size decides the sums
+    if not caps.tree_reduction:  # one product per rank and a plain all-reduce: the size and layout decide the sums
         settings["tensor_parallel_size"] = caps.tensor_parallel_size
+        settings["enable_expert_parallel"] = args.enable_expert_parallel
     if not caps.exact_positions:  # a position's bits depend on the piece that computed it
         policy = llm.scheduler.policy if llm.scheduler is not None else llm.policy  # configure() may change it
         settings["prompt_cuts"] = [policy.chunk_size, policy.snapshot_interval]

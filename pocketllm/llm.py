@@ -132,10 +132,11 @@ class LLM:
         replay = self._replay_buffers(ops)
         size = args.tensor_parallel_size
         native = args.torch_dtype == torch.float32 and {ops.linear, ops.prefill_linear} <= NATIVE_SHARDS.keys()
-        tp = TensorParallel(0, size, tree=tree_enabled(args.options.backend.tree_reduction, size, native))
+        tp = TensorParallel(0, size, tree=tree_enabled(args.options.backend.tree_reduction, size, native),
+                            expert_parallel=args.enable_expert_parallel)
         self.tree_reduction = tp.tree
         if size > 1:
-            check_parallel(self.model_config, size, tp.tree, self.device)
+            check_parallel(self.model_config, size, tp.tree, self.device, tp.expert_parallel)
             self.workers = Workers(args, size, replay)  # starts loading beside this process
         try:
             self.model = build_model(args.model, self.model_config, ops, args.torch_dtype, self.device,

@@ -105,7 +105,8 @@ def _worker_main(spec: WorkerSpec, status: multiprocessing.connection.Connection
         device = rank_device(torch.device(args.device), spec.rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        tp = TensorParallel(spec.rank, spec.size, tree=tree_enabled(options.tree_reduction, spec.size))
+        tp = TensorParallel(spec.rank, spec.size, tree=tree_enabled(options.tree_reduction, spec.size),
+                            expert_parallel=args.enable_expert_parallel)
         ops = op_table(args)
         cfg = read_config(args.model)
         model = build_model(args.model, cfg, ops, args.torch_dtype, device, args.max_seq_len, tp,

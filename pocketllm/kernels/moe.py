@@ -2,7 +2,7 @@
 weighted and summed (Qwen3-MoE, Qwen3.5-MoE).
 
     moe(x [T, H], topk_ids [T, K] int64, topk_weights [T, K] fp32,
-        w_gate_up [E, 2I, H] (gate rows first, then up), w_down [E, H, I]) -> [T, H]
+        w_gate_up [E, 2I, H] (gate rows first, then up), w_down [E, H, I] or [E, S, H, I/S]) -> [T, H]
 
 `route` turns router logits into (topk_ids, topk_weights): softmax over the experts in fp32, the
 K largest probabilities with ties broken by the lower expert index (a stable sort on
@@ -14,7 +14,11 @@ contribution is y_k = down_e(silu(gate_e(x)) * up_e(x)) with e = topk_ids[t, k],
 the activation rounded to x's dtype as a dense SwiGLU's are; out = sum over k = 0, 1, ..., K - 1 IN
 RANK ORDER of y_k * topk_weights[t, k], in fp32 starting from the k = 0 term, rounded once to x's
 dtype. The order is the token's own (its ranking), never the order in which tokens happen to be
-grouped by expert, so a token's bits depend only on that token.
+grouped by expert, so a token's bits depend only on that token. A down matrix given as S shards of
+its input features ([E, S, H, I/S], S a power of two) is multiplied as `linear.in_shards` multiplies
+a row-parallel matrix: each shard's product, the S products summed in the fixed tree
+(`parallel/tree.py`), which is how a tensor- or expert-parallel engine's ranks keep the bits of one
+process (`models/experts.py`).
 
 - `moe_ref`: the reference: tokens grouped by expert, one plain F.linear per expert.
 - `moe_row_invariant` (the torch backend): the same grouping, each expert's product in the dense
@@ -38,9 +42,10 @@ import torch
 import torch.nn.functional as F
 
 from ._cases import randn
+from ._tree import tree_sum
 from ._triton import kernel_device_ok, launch_device_type, tl, triton
 from .cpu.extension import load_extension
-from .linear import TILES, linear_fixed_order, linear_row_invariant
+from .linear import TILES, in_shards, linear_fixed_order, linear_row_invariant
 from .pointwise import elementwise_invariant
 from .silu_and_mul import silu_and_mul_ref
 from .spec import Call, Cost, Layout, OpSpec, Step, size
@@ -48,7 +53,7 @@ from .spec import Call, Cost, Layout, OpSpec, Step, size
 
 class Moe(Protocol):
     """x [T, H], topk_ids [T, K] (int64), topk_weights [T, K] (fp32), w_gate_up [E, 2I, H],
-    w_down [E, H, I] -> [T, H] in x's dtype; contributions summed in rank order."""
+    w_down [E, H, I] or [E, S, H, I/S] -> [T, H] in x's dtype; contributions summed in rank order."""
 
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor: ...
@@ -99,7 +104,8 @@ Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # rows [M, K] x 
 def experts_by_group(x: torch.Tensor, topk_ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                      product: Product) -> torch.Tensor:
     """[T, K, H]: each (token, rank) pair's expert output, the pairs grouped by expert and each
-    expert's rows multiplied by `product` (which must give a row the same bits in any group)."""
+    expert's rows multiplied by `product` (which must give a row the same bits in any group); a
+    sharded down matrix through `in_shards`."""
     tokens, top_k = topk_ids.shape
     out = x.new_zeros(tokens * top_k, x.shape[1])
     if tokens == 0:
@@ -114,18 +120,23 @@ def experts_by_group(x: torch.Tensor, topk_ids: torch.Tensor, w_gate_up: torch.T
         pairs = order[start:start + count]
         start += count
         hidden = silu_and_mul_ref(product(x.index_select(0, pairs // top_k), w_gate_up[expert]))
-        out[pairs] = product(hidden, w_down[expert])
+        out[pairs] = (in_shards(product, hidden, w_down[expert].unbind(0)) if w_down.dim() == 4
+                      else product(hidden, w_down[expert]))
     return out.view(tokens, top_k, x.shape[1])
 
 
 def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
            w_down: torch.Tensor) -> None:
     experts, inter2, hidden = w_gate_up.shape
-    if (x.dim() != 2 or x.shape[1] != hidden or inter2 % 2 or tuple(w_down.shape) != (experts, hidden, inter2 // 2)
+    shards = w_down.shape[1] if w_down.dim() == 4 else 1
+    down = (experts, shards, hidden, inter2 // 2 // shards) if w_down.dim() == 4 else (experts, hidden, inter2 // 2)
+    if (x.dim() != 2 or x.shape[1] != hidden or inter2 % 2 or inter2 // 2 % shards or shards & (shards - 1)
+            or tuple(w_down.shape) != down
             or topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]):
         raise ValueError(f"moe takes x [T, H], topk_ids and topk_weights [T, K], w_gate_up [E, 2I, H], "
-                         f"w_down [E, H, I]; got {tuple(x.shape)}, {tuple(topk_ids.shape)}, "
-                         f"{tuple(topk_weights.shape)}, {tuple(w_gate_up.shape)}, {tuple(w_down.shape)}")
+                         f"w_down [E, H, I] or [E, S, H, I/S] (S a power of two); got {tuple(x.shape)}, "
+                         f"{tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}, {tuple(w_gate_up.shape)}, "
+                         f"{tuple(w_down.shape)}")
 
 
 def moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
@@ -303,14 +314,22 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
         x, w_gate_up, h, pair_ids, block_expert, pairs, top_k, hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HOST_DOT=host_dot)
-    y = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
-    _moe_down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
-        h, w_down, y, pair_ids, block_expert, pairs, hidden, inter,
-        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HOST_DOT=host_dot)
+    shards = w_down.unbind(1) if w_down.dim() == 4 else (w_down,)
+    width = inter // len(shards)
+    parts = []
+    for s, shard in enumerate(shards):  # a sharded down matrix: one launch per shard, summed in the tree
+        y = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
+        _moe_down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+            h[:, s * width:(s + 1) * width], shard, y, pair_ids, block_expert, pairs, hidden, width,
+            h.stride(0), shard.stride(0), shard.stride(1), y.stride(0),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HOST_DOT=host_dot)
+        parts.append(y)
+    y = tree_sum(parts)
     weights = topk_weights.float().contiguous()
+    # No fused multiply-add: each product rounded before it is added, as `combine` (and so the ranks
+    # of a tensor-parallel engine, models/experts.py) computes it.
     _moe_combine_kernel[(tokens, triton.cdiv(hidden, COMBINE_BLOCK))](y, weights, out, hidden, TOP_K=top_k,
-                                                                      BLOCK=COMBINE_BLOCK)
+                                                                      BLOCK=COMBINE_BLOCK, enable_fp_fusion=False)
     return out
 
 
@@ -356,19 +375,22 @@ def _tokens(gen: torch.Generator, n: int, dims: dict, dtype: torch.dtype) -> dic
 
 
 def _shared(gen: torch.Generator, dims: dict, dtype: torch.dtype) -> dict[str, Any]:
-    experts, hidden, inter = dims["experts"], dims["hidden"], dims["inter"]
-    return {"w_gate_up": randn(gen, experts, 2 * inter, hidden, dtype=dtype, scale=hidden ** -0.5),
-            "w_down": randn(gen, experts, hidden, inter, dtype=dtype, scale=inter ** -0.5)}
+    experts, hidden, inter, shards = dims["experts"], dims["hidden"], dims["inter"], dims["shards"]
+    down = randn(gen, experts, hidden, inter, dtype=dtype, scale=inter ** -0.5)
+    if shards > 1:  # W's input features in S shards: [E, S, H, I/S]
+        down = down.view(experts, hidden, shards, inter // shards).transpose(1, 2).contiguous()
+    return {"w_gate_up": randn(gen, experts, 2 * inter, hidden, dtype=dtype, scale=hidden ** -0.5), "w_down": down}
 
 
-# Expert counts 1..16, top-k 1..8 (k = E: every expert chosen), odd widths; rows alone, in groups
-# and nine single rows (tokens sharing an expert; with 16 experts and top 1, experts no token chose).
+# Expert counts 1..16, top-k 1..8 (k = E: every expert chosen), odd widths, down matrices in 1, 2 or
+# 8 shards (odd shard widths); rows alone, in groups and nine single rows (tokens sharing an expert;
+# with 16 experts and top 1, experts no token chose).
 _MEMBERS = [[(1, 0)], [(1, 0), (3, 0), (2, 0)], [(1, 0)] * 9]
 CASES = Layout(_tokens, None, _shared, [
-    ({"experts": e, "top_k": k, "hidden": h, "inter": i, "normalize": norm, "ties": ties}, members)
-    for e, k, h, i, norm, ties in ((1, 1, 24, 16, False, False), (8, 2, 40, 24, True, False),
-                                   (16, 1, 33, 17, False, True), (6, 6, 24, 40, True, True),
-                                   (12, 8, 20, 12, False, False))
+    ({"experts": e, "top_k": k, "hidden": h, "inter": i, "normalize": norm, "ties": ties, "shards": shards}, members)
+    for e, k, h, i, norm, ties, shards in ((1, 1, 24, 16, False, False, 1), (8, 2, 40, 24, True, False, 8),
+                                           (16, 1, 33, 17, False, True, 1), (6, 6, 24, 40, True, True, 2),
+                                           (12, 8, 20, 12, False, False, 1), (4, 2, 36, 56, False, False, 8))
     for members in _MEMBERS])
 
 OP = OpSpec("moe", Moe, {"ref": moe_ref, "row_invariant": moe_row_invariant, "fixed_order": moe_fixed_order,

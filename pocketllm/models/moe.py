@@ -4,8 +4,9 @@ Qwen3.5-MoE), and the two checkpoint layouts of its experts.
 `SparseMoe` (a `layers.FeedForward`): router logits through `ops.linear`, routing by
 `kernels.moe.route` (softmax in fp32, top-k with ties broken by the lower expert index, optionally
 renormalised), the experts through the op `moe` (contributions summed in rank order, see
-`kernels/moe.py`), plus, where the config has one, the shared expert, a SwiGLU scaled by
-sigmoid(shared_expert_gate(x)) and added after the routed experts, as transformers adds it.
+`kernels/moe.py`; split over tensor-parallel ranks as `experts.py` says), plus, where the config
+has one, the shared expert, a SwiGLU scaled by sigmoid(shared_expert_gate(x)) and added after the
+routed experts, as transformers adds it.
 
 Checkpoint layouts of a sparse layer's experts (the loader takes either, layer by layer):
 - fused, as transformers 5 holds them: `mlp.experts.gate_up_proj` [E, 2I, H] (each expert's gate
@@ -28,6 +29,8 @@ from ..config import ModelConfig
 from ..kernels import Ops
 from ..kernels.moe import route
 from ..kernels.pointwise import elementwise_invariant
+from ..parallel.group import SINGLE, TensorParallel
+from .experts import Experts
 from .family import InitWeight, Matrices
 from .layers import Shapes, SwiGLU, Weights
 from .loader import checkpoint_files
@@ -49,14 +52,14 @@ def shared_cfg(cfg: ModelConfig) -> ModelConfig:
 class SparseMoe:
     """Router, experts (fused [E, 2I, H] / [E, H, I]) and an optional gated shared expert."""
 
-    def __init__(self, cfg: ModelConfig, w: Weights, prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, tp: TensorParallel = SINGLE) -> None:
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.router = w[prefix + "gate.weight"]
-        self.w_gate_up, self.w_down = w[prefix + FUSED_GATE_UP], w[prefix + FUSED_DOWN]
+        self.experts = Experts(w[prefix + FUSED_GATE_UP], w[prefix + FUSED_DOWN], tp)
         self.shared: SwiGLU | None = None
         self.shared_gate: torch.Tensor | None = None
         if cfg.shared_expert_intermediate_size:
-            self.shared = SwiGLU(w, prefix + "shared_expert.")
+            self.shared = SwiGLU(w, prefix + "shared_expert.", tp)
             self.shared_gate = w[prefix + "shared_expert_gate.weight"]
 
     @staticmethod
@@ -87,11 +90,11 @@ class SparseMoe:
         start-up probe's shapes and alignments, and parameter counts)."""
         shared = () if self.shared is None or self.shared_gate is None else (*self.shared.linear_weights(),
                                                                               self.shared_gate)
-        return (self.router, *shared, *self.w_gate_up.unbind(0), *self.w_down.unbind(0))
+        return (self.router, *shared, *self.experts.matrices())
 
     def forward(self, ops: Ops, x: torch.Tensor) -> torch.Tensor:
         topk_ids, topk_weights = route(ops.linear(x, self.router), self.top_k, self.normalize)
-        out = ops.moe(x, topk_ids, topk_weights, self.w_gate_up, self.w_down)
+        out = self.experts.forward(ops, x, topk_ids, topk_weights)
         if self.shared is not None and self.shared_gate is not None:
             gate = elementwise_invariant(torch.sigmoid, ops.linear(x, self.shared_gate))
             out = out + gate * self.shared.forward(ops, x)
@@ -143,11 +146,11 @@ def checkpoint_layout(cfg: ModelConfig, path: Path,
                 shape = (hidden, inter2 // 2) if matrix == "down_proj" else (inter2 // 2, hidden)
                 to_load[f"{mlp}experts.{e}.{matrix}.weight"] = shape
 
-    def fuse(weights: Weights) -> Weights:
+    def fuse(weights: Weights) -> Weights:  # the experts loaded (an expert-parallel rank's), in order
         for mlp in per_expert:
-            experts = expected[mlp + FUSED_GATE_UP][0]
-            parts = [[weights.pop(f"{mlp}experts.{e}.{matrix}.weight") for matrix in PER_EXPERT]
-                     for e in range(experts)]
+            experts = [e for e in range(expected[mlp + FUSED_GATE_UP][0])
+                       if f"{mlp}experts.{e}.down_proj.weight" in weights]
+            parts = [[weights.pop(f"{mlp}experts.{e}.{matrix}.weight") for matrix in PER_EXPERT] for e in experts]
             weights[mlp + FUSED_GATE_UP] = torch.stack([torch.cat([gate, up]) for gate, up, _ in parts])
             weights[mlp + FUSED_DOWN] = torch.stack([down for _, _, down in parts])
         return weights

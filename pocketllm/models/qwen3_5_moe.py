@@ -31,7 +31,7 @@ class Qwen3_5MoeModel(qwen3_5.Qwen3_5Model):
     """Qwen3.5 with a mixture of experts (and its shared expert) in every layer."""
 
     def build_mlp(self, weights: Weights, prefix: str) -> FeedForward:
-        return SparseMoe(self.cfg, weights, prefix + "mlp.")
+        return SparseMoe(self.cfg, weights, prefix + "mlp.", self.tp)
 
 
 def matrices(cfg: ModelConfig) -> Matrices:

@@ -29,8 +29,8 @@ class Qwen3MoeModel(qwen3.Qwen3Model):
 
     def build_mlp(self, weights: Weights, prefix: str) -> FeedForward:
         if self.cfg.sparse_layer(layer_index(prefix)):
-            return SparseMoe(self.cfg, weights, prefix + "mlp.")
-        return SwiGLU(weights, prefix + "mlp.")
+            return SparseMoe(self.cfg, weights, prefix + "mlp.", self.tp)
+        return SwiGLU(weights, prefix + "mlp.", self.tp)
 
 
 def matrices(cfg: ModelConfig) -> Matrices:

@@ -15,7 +15,7 @@ from ..cache import LayerCacheSpec, attention_spec
 from ..config import ConfigDefaults, ModelConfig
 from ..kernels import Ops
 from ..parallel.group import SINGLE, TensorParallel
-from ..parallel.shard import local_config, shard_plan
+from ..parallel.shard import NOT_HELD, local_config, shard_plan
 from . import qwen3, qwen3_5, qwen3_5_moe, qwen3_moe
 from .family import Family
 from .loader import CheckpointError, load_weights
@@ -71,14 +71,17 @@ def build_model(path: str | Path, cfg: ModelConfig, ops: Ops, dtype: torch.dtype
             f"supported: {sorted(ARCHITECTURES)}"
         )
     family = ARCHITECTURES[cfg.architecture]
-    plan = shard_plan(cfg, tp.rank, tp.size) if tp.size > 1 else None
+    plan = shard_plan(cfg, tp.rank, tp.size, tp.expert_parallel) if tp.size > 1 else None
     expected = family.expected_weights(cfg)
     to_load, convert = ((expected, lambda weights: weights) if family.checkpoint_layout is None
                         else family.checkpoint_layout(cfg, Path(path), expected))
-    weights = convert(load_weights(path, to_load, dtype, device, skip=family.skip_weight, shard=plan))
+    others = set() if plan is None else {name for name, shape in to_load.items() if plan(name, shape) == NOT_HELD}
+    to_load = {name: shape for name, shape in to_load.items() if name not in others}
+    weights = convert(load_weights(path, to_load, dtype, device, shard=plan,
+                                   skip=lambda name: name in others or family.skip_weight(name)))
     if weight_dtype is not None and weight_dtype != dtype:
         weights = {name: t.to(weight_dtype) if is_matrix(name, t) else t for name, t in weights.items()}
-    return family.model(local_config(cfg, tp.size), weights, ops, max_seq_len, tp)
+    return family.model(local_config(cfg, tp.size, tp.expert_parallel), weights, ops, max_seq_len, tp)
 
 
 def layer_specs(cfg: ModelConfig) -> list[LayerCacheSpec]:

@@ -25,11 +25,14 @@ class TensorParallel:
 
     `size == 1` needs no group: every collective is the identity. `tree`: row-parallel products are
     summed over fixed K shards in one binary tree (see `parallel/tree.py`); otherwise one product
-    per rank and a plain all-reduce, whose order is the library's.
+    per rank and a plain all-reduce, whose order is the library's. `expert_parallel`: a mixture of
+    experts' layers hold whole experts, a block of them per rank, rather than a block of every
+    expert's intermediate features (see `models/experts.py`).
     """
 
-    def __init__(self, rank: int = 0, size: int = 1, tree: bool = False) -> None:
-        self.rank, self.size, self.tree = rank, size, tree
+    def __init__(self, rank: int = 0, size: int = 1, tree: bool = False, expert_parallel: bool = False) -> None:
+        self.rank, self.size, self.tree, self.expert_parallel = rank, size, tree, expert_parallel
+        self.sent_bytes = 0  # what this rank put into collectives (its own tensor, once per call)
         self._group: Any = None
         self._commands: Any = None
 
@@ -52,6 +55,7 @@ class TensorParallel:
         if self.size == 1:
             return [tensor]
         tensor = tensor.contiguous()
+        self.sent_bytes += tensor.numel() * tensor.element_size()
         out = [torch.empty_like(tensor) for _ in range(self.size)]
         self._group.allgather([out], [tensor]).wait()
         return out
@@ -61,6 +65,7 @@ class TensorParallel:
         if self.size == 1:
             return tensor
         tensor = tensor.contiguous()
+        self.sent_bytes += tensor.numel() * tensor.element_size()
         self._group.allreduce([tensor]).wait()
         return tensor
 

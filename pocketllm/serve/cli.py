@@ -114,6 +114,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting", type=int, default=0,
                         help="waiting requests beyond which a request is answered 429 (0: no bound)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="shard the model over this many processes")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="mixture-of-experts models: each process holds whole experts (the same bits either way)")
     parser.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                         help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                              "(the output stays bitwise the output without it)")
@@ -125,7 +127,8 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
     options = {"max_batch_size": args.max_batch_size, "max_waiting": args.max_waiting, **dict(args.option)}
     return EngineArgs(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device,
                       max_seq_len=args.max_seq_len, backend_options=options,
-                      tensor_parallel_size=args.tensor_parallel_size, speculative=args.speculative_config)
+                      tensor_parallel_size=args.tensor_parallel_size,
+                      enable_expert_parallel=args.enable_expert_parallel, speculative=args.speculative_config)
 
 
 def _set_threads(threads: int | None) -> None:

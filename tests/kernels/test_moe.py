@@ -10,7 +10,10 @@ the experts' SwiGLU contributions summed in rank order.
   every prefix of the rows and every permutation of them give each row the same bits;
 - `moe_fixed_order`'s one C++ call for every expert (fp32 rows, fp32 or bf16 experts) bitwise the same
   kernel called once per expert (`experts_by_group` over `linear_fixed_order`), and its argument
-  errors naming what is wrong.
+  errors naming what is wrong;
+- a down matrix in S input-feature shards ([E, S, H, I/S], the tensor- and expert-parallel layout):
+  each pair's output is its shards' products summed in the fixed tree, built here by hand, on every
+  implementation.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from kernel_impls import DEVICE, implementation
 from kernel_tolerances import assert_close
 
 from pocketllm.kernels.cpu.extension import load_extension
-from pocketllm.kernels.linear import linear_fixed_order
+from pocketllm.kernels.linear import linear_fixed_order, linear_row_invariant
 from pocketllm.kernels.moe import combine, experts_by_group, moe_fixed_order, moe_ref, moe_row_invariant, route
+from pocketllm.kernels.silu_and_mul import silu_and_mul_ref
 
 moe_impl = implementation("moe")
 TORCH_IMPLS = [moe_row_invariant] + ([moe_fixed_order] if load_extension() is not None else [])
@@ -171,6 +175,69 @@ def test_one_call_for_every_expert_is_the_kernel_called_per_expert(weight_dtype,
     w_gate_up, w_down = w_gate_up.to(weight_dtype), w_down.to(weight_dtype)
     per_expert = combine(experts_by_group(x, ids, w_gate_up, w_down, linear_fixed_order), w, x.dtype)
     assert torch.equal(moe_fixed_order(x, ids, w, w_gate_up, w_down), per_expert)
+
+
+def _in_shards(w_down: torch.Tensor, shards: int) -> torch.Tensor:
+    """[E, H, I] -> [E, S, H, I/S]: the input features in S shards."""
+    experts, hidden, inter = w_down.shape
+    return w_down.view(experts, hidden, shards, inter // shards).transpose(1, 2).contiguous()
+
+
+def _tree_by_hand(x, ids, w, w_gate_up, w_down, shards: int, product) -> torch.Tensor:
+    """The sharded definition, pair by pair: gate/up by `product`, the down product of each shard
+    by `product`, the shards summed (0+1), (2+3), ..., then pairs of those; combined in rank order."""
+    width = w_down.shape[2] // shards
+    pairs = torch.empty(ids.shape[0], ids.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
+    for t in range(ids.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            gate_up = product(x[t:t + 1], w_gate_up[e])
+            hidden = silu_and_mul_ref(gate_up)
+            parts = [product(hidden[:, s * width:(s + 1) * width].contiguous(),
+                             w_down[e][:, s * width:(s + 1) * width].contiguous()) for s in range(shards)]
+            while len(parts) > 1:
+                parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+            pairs[t, k] = parts[0][0]
+    return combine(pairs, w, x.dtype)
+
+
+@pytest.mark.parametrize("shards", [2, 8])
+def test_a_sharded_down_matrix_is_its_shards_summed_in_the_tree(shards):
+    """On [E, S, H, I/S] the torch backend's row-invariant implementation is the tree built by hand
+    over its own product, bit for bit, and the reference is within rounding of the float64
+    definition (the unsharded matrix's)."""
+    x, ids, w, w_gate_up, w_down = (a.cpu() for a in _case(9, 6, 3, 40, 24, torch.float32, seed=4))
+    sharded = _in_shards(w_down, shards)
+    by_hand = _tree_by_hand(x, ids, w, w_gate_up, w_down, shards, linear_row_invariant)
+    assert torch.equal(moe_row_invariant(x, ids, w, w_gate_up, sharded), by_hand)
+    torch.testing.assert_close(moe_ref(x, ids, w, w_gate_up, sharded).double(), oracle(x, ids, w, w_gate_up, w_down),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", [moe_impl] + TORCH_IMPLS, ids=lambda f: getattr(f, "__name__", "under_test"))
+def test_every_implementation_takes_a_sharded_down_matrix(impl):
+    """Each implementation on 8 shards (odd width 5): within tolerance of the reference, each row's
+    bits the same in any prefix of the batch."""
+    device = DEVICE if impl is moe_impl else "cpu"
+    x, ids, w, w_gate_up, w_down = (a.to(device) for a in _case(17, 6, 2, 24, 40, torch.float32, seed=12, ties=True))
+    sharded = _in_shards(w_down, 8)
+    full = impl(x, ids, w, w_gate_up, sharded)
+    assert_close(full, moe_ref(*(a.cpu() for a in (x, ids, w, w_gate_up, sharded))))
+    for rows in (1, 5):
+        assert torch.equal(impl(x[:rows], ids[:rows], w[:rows], w_gate_up, sharded), full[:rows]), rows
+
+
+@pytest.mark.skipif(load_extension() is None, reason="pocketllm's C++ CPU kernels cannot be built here")
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tokens", [3, 21])
+def test_the_one_call_path_sums_a_sharded_down_matrix_as_the_tree_by_hand(weight_dtype, tokens):
+    """The C++ call on 8 shards: the fixed-order kernel per shard, summed in the tree in Python
+    (a wrapper, so that nothing takes the kernel's own shard sum), bit for bit; rows below and
+    above the kernel's packed tiles."""
+    x, ids, w, w_gate_up, w_down = (a.cpu() for a in _case(tokens, 8, 2, 40, 48, torch.float32, seed=tokens))
+    w_gate_up, w_down = w_gate_up.to(weight_dtype), w_down.to(weight_dtype)
+    by_hand = _tree_by_hand(x, ids, w, w_gate_up, w_down, 8, lambda rows, weight: linear_fixed_order(rows, weight))
+    assert torch.equal(moe_fixed_order(x, ids, w, w_gate_up, _in_shards(w_down, 8)), by_hand)
 
 
 @pytest.mark.skipif(load_extension() is None, reason="pocketllm's C++ CPU kernels cannot be built here")

@@ -2,31 +2,37 @@
 // (token, rank) pairs grouped by expert, each expert's rows through linear.cpp's fixed-order product
 // (gate and up), rows.cpp's SiLU-and-multiply, and the product again (down). A product's order is a
 // function of K alone, so a pair's bits are those of its row alone, whichever rows share its expert;
-// the grouping only decides which rows go through one call, and no Python runs per expert.
+// the grouping only decides which rows go through one call, and no Python runs per expert. A down
+// matrix given as S input-feature shards ([E, S, H, I/S]) is multiplied as linear.cpp's
+// `linear_shards` multiplies them: the shards' products summed in the fixed tree (parallel/tree.py).
 #include <algorithm>
 #include <cstring>
+#include <string>
 #include <vector>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 
 void linear_into(const float* x, int64_t ldx, int64_t M, int64_t K, const at::Tensor& weight, float* y);  // linear.cpp
+at::Tensor linear_shards(at::Tensor x, std::vector<at::Tensor> shards, const std::string& variant);  // linear.cpp
 void silu_and_mul_into(const float* gate_up, int64_t rows, int64_t inter, int64_t stride, float* out);  // rows.cpp
 
-// x [T, H] fp32; topk_ids [T, K] int64; w_gate_up [E, 2I, H] (gate rows, then up), w_down [E, H, I],
-// both fp32 or both bf16 -> [T * K, H]: row t * K + k is expert topk_ids[t, k]'s output for token t.
+// x [T, H] fp32; topk_ids [T, K] int64; w_gate_up [E, 2I, H] (gate rows, then up), w_down [E, H, I]
+// or [E, S, H, I/S] (S shards of I), both fp32 or both bf16 -> [T * K, H]: row t * K + k is expert topk_ids[t, k]'s output for token t.
 at::Tensor moe_experts(at::Tensor x, at::Tensor topk_ids, at::Tensor w_gate_up, at::Tensor w_down) {
   TORCH_CHECK_VALUE(x.dtype() == at::kFloat && x.dim() == 2 && x.device().is_cpu(), "x must be fp32 [T, H] on the CPU");
   TORCH_CHECK_VALUE(topk_ids.dtype() == at::kLong && topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0),
                     "topk_ids must be int64 [T, K]");
-  TORCH_CHECK_VALUE(w_gate_up.dim() == 3 && w_down.dim() == 3 && w_gate_up.dtype() == w_down.dtype() &&
+  const bool sharded = w_down.dim() == 4;
+  TORCH_CHECK_VALUE(w_gate_up.dim() == 3 && (w_down.dim() == 3 || sharded) && w_gate_up.dtype() == w_down.dtype() &&
                         (w_gate_up.dtype() == at::kFloat || w_gate_up.dtype() == at::kBFloat16),
-                    "w_gate_up [E, 2I, H] and w_down [E, H, I] must be both fp32 or both bf16");
+                    "w_gate_up [E, 2I, H] and w_down [E, H, I] or [E, S, H, I/S] must be both fp32 or both bf16");
   const int64_t tokens = x.size(0), top_k = topk_ids.size(1), hidden = x.size(1);
   const int64_t experts = w_gate_up.size(0), inter = w_gate_up.size(1) / 2, pairs = tokens * top_k;
+  const int64_t shards = sharded ? w_down.size(1) : 1;
   TORCH_CHECK_VALUE(w_gate_up.size(1) == 2 * inter && w_gate_up.size(2) == hidden && w_down.size(0) == experts &&
-                        w_down.size(1) == hidden && w_down.size(2) == inter,
-                    "w_gate_up must be [E, 2I, H] and w_down [E, H, I] for x [T, H]");
+                        w_down.size(-2) == hidden && w_down.size(-1) * shards == inter,
+                    "w_gate_up must be [E, 2I, H] and w_down [E, H, I] or [E, S, H, I/S] for x [T, H]");
   x = x.contiguous();
   topk_ids = topk_ids.contiguous();
   w_gate_up = w_gate_up.contiguous();
@@ -59,7 +65,12 @@ at::Tensor moe_experts(at::Tensor x, at::Tensor topk_ids, at::Tensor w_gate_up, 
     for (int64_t r = 0; r < n; ++r) std::memcpy(rp + r * hidden, xp + chosen[r] / top_k * hidden, row_bytes);
     linear_into(rp, hidden, n, hidden, w_gate_up[e], gp);
     silu_and_mul_into(gp, n, inter, 2 * inter, hp);
-    linear_into(hp, inter, n, inter, w_down[e], dp);
+    if (sharded) {
+      const at::Tensor summed = linear_shards(hidden_rows.narrow(0, 0, n), w_down[e].unbind(0), "");
+      std::memcpy(dp, summed.data_ptr<float>(), size_t(n) * row_bytes);
+    } else {
+      linear_into(hp, inter, n, inter, w_down[e], dp);
+    }
     for (int64_t r = 0; r < n; ++r) std::memcpy(yp + chosen[r] * hidden, dp + r * hidden, row_bytes);
   }
   return y;
