@@ -7,8 +7,8 @@ row-parallel matrix (no tree), TP=1 with the tree, TP=2 with the tree, TP=2 with
 on a mixture-of-experts preset also EP=2 (whole experts per rank) with and without the tree.
 Every engine runs the fixed-order kernels (`exact_positions`), which the guarantee across sizes
 rests on; the report says whether each configuration's outputs equal TP=1-with-tree's bit for bit,
-and what rank 0 put into collectives per decode step of the whole batch (the run's bytes less a
-prefill-only run's, over the decode steps). On a CPU the ranks share its cores (each rank gets
+and what rank 0 put into collectives per decode step of the whole batch (a run of 3 tokens per
+request less a run of 2: one decode step). On a CPU the ranks share its cores (each rank gets
 cores / size threads), so TP=2 is not expected to be faster here; on a machine with several GPUs
 pass `--device cuda`.
 
@@ -38,12 +38,11 @@ CONFIGS = (("TP=1, no tree", 1, False, False), ("TP=1, tree", 1, True, False), (
 EXPERT_CONFIGS = (("EP=2, tree", 2, True, True), ("EP=2, plain all-reduce", 2, False, True))
 
 
-def _sent_and_steps(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list[Any], int, int]:
-    """(results, bytes rank 0 put into collectives, scheduler steps) of one batched generate."""
-    assert llm.scheduler is not None
-    sent, steps = llm.model.tp.sent_bytes, llm.scheduler.get_stats().steps
-    results = llm.generate(prompts, params)
-    return results, llm.model.tp.sent_bytes - sent, llm.scheduler.get_stats().steps - steps
+def _sent(llm: LLM, prompts: list[list[int]], tokens: int) -> int:
+    """Bytes rank 0 put into collectives during one batched generate of `tokens` per request."""
+    sent = llm.model.tp.sent_bytes
+    llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    return llm.model.tp.sent_bytes - sent
 
 
 def run_config(path: str, size: int, tree: bool, expert_parallel: bool, device: str, prompts: list[list[int]],
@@ -59,13 +58,12 @@ def run_config(path: str, size: int, tree: bool, expert_parallel: bool, device: 
     try:
         llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
         started = time.perf_counter()
-        results, sent, steps = _sent_and_steps(llm, prompts, params)
+        results = llm.generate(prompts, params)
         elapsed = time.perf_counter() - started
-        _, prefill_sent, prefill_steps = _sent_and_steps(llm, prompts, SamplingParams(max_tokens=1, ignore_eos=True))
+        decode_bytes = _sent(llm, prompts, 3) - _sent(llm, prompts, 2)  # the prompts' reuse is the same in both
     finally:
         llm.close()
     tokens = sum(len(r.token_ids) for r in results)
-    decode_bytes = (sent - prefill_sent) / max(1, steps - prefill_steps)
     return {"tensor_parallel_size": size, "tree": tree, "expert_parallel": expert_parallel,
             "threads_per_rank": torch.get_num_threads(), "load_s": load_s, "seconds": elapsed, "tokens": tokens,
             "tokens_per_s": tokens / elapsed, "bytes_per_decode_step": decode_bytes,

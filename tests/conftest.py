@@ -54,16 +54,19 @@ def tiny_batched_llm(checkpoint_dir):
 @pytest.fixture(scope="session")
 def checkpoint_dir(pocketllm_checkpoint):
     """Factory: variant name (CHECKPOINT_VARIANTS, QWEN3_5_VARIANTS or MOE_VARIANTS) -> path of its
-    checkpoint, written on first use, each variant from its own seed ("per_expert": the experts
-    rewritten in the per-expert layout)."""
+    checkpoint, written on first use, each variant from its own seed (its "seed", else its place among
+    the variants without one, so that a variant added with a seed changes no other's; "per_expert":
+    the experts rewritten in the per-expert layout)."""
     written: dict[str, Path] = {}
 
     def make(variant: str = "tiny") -> Path:
         if variant not in written:
             overrides = dict(VARIANTS[variant])
             preset = overrides.pop("preset", "tiny")
+            unseeded = sorted(name for name, fields in VARIANTS.items() if "seed" not in fields)
+            seed = overrides.pop("seed") if "seed" in overrides else 1 + unseeded.index(variant)
             per_expert = overrides.pop("per_expert", False)
-            path = pocketllm_checkpoint(preset, seed=1 + sorted(VARIANTS).index(variant), **overrides)
+            path = pocketllm_checkpoint(preset, seed=seed, **overrides)
             if per_expert:
                 from safetensors.torch import load_file, save_file
 

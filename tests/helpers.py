@@ -38,7 +38,7 @@ QWEN3_5_VARIANTS = {
 }
 
 
-# Mixtures of experts: both families, both expert layouts (fused, and per expert: "per_expert"), dense
+# Mixtures of experts: the three families, both expert layouts (fused, and per expert: "per_expert"), dense
 # layers by mlp_only_layers and by decoder_sparse_step, top-k 1..3, the multimodal wrapper.
 MOE_VARIANTS = {
     "qwen3-moe": {"preset": "qwen3-moe-tiny"},
@@ -48,6 +48,12 @@ MOE_VARIANTS = {
     "qwen3.5-moe": {"preset": "qwen3.5-moe-tiny"},
     "qwen3.5-moe_mm_per_expert": {"preset": "qwen3.5-moe-tiny", "multimodal": True, "per_expert": True,
                                   "tie_word_embeddings": False, "num_experts_per_tok": 1, "num_experts": 6},
+    # Qwen3-Next: its grouped Gated DeltaNet projections with two and with three value heads per key head.
+    "qwen3-next": {"preset": "qwen3-next-tiny", "seed": 101},
+    "qwen3-next_per_expert": {"preset": "qwen3-next-tiny", "seed": 102, "per_expert": True,
+                              "tie_word_embeddings": False, "linear_num_key_heads": 1, "linear_num_value_heads": 3,
+                              "linear_value_head_dim": 8, "mlp_only_layers": [], "decoder_sparse_step": 2,
+                              "norm_topk_prob": False},
 }
 
 

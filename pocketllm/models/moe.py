@@ -32,7 +32,7 @@ from ..kernels.pointwise import elementwise_invariant
 from ..parallel.group import SINGLE, TensorParallel
 from .experts import Experts
 from .family import InitWeight, Matrices
-from .layers import Shapes, SwiGLU, Weights
+from .layers import FeedForward, Shapes, SwiGLU, Weights
 from .loader import checkpoint_files
 
 FUSED_GATE_UP, FUSED_DOWN = "experts.gate_up_proj", "experts.down_proj"
@@ -99,6 +99,20 @@ class SparseMoe:
             gate = elementwise_invariant(torch.sigmoid, ops.linear(x, self.shared_gate))
             out = out + gate * self.shared.forward(ops, x)
         return out
+
+
+def layer_mlp(cfg: ModelConfig, w: Weights, prefix: str, tp: TensorParallel) -> FeedForward:
+    """Layer `prefix`'s feed-forward half where some layers may be dense (Qwen3-MoE, Qwen3-Next): the
+    mixture of experts on a sparse layer (`ModelConfig.sparse_layer`), else the dense SwiGLU."""
+    if cfg.sparse_layer(layer_index(prefix)):
+        return SparseMoe(cfg, w, prefix + "mlp.", tp)
+    return SwiGLU(w, prefix + "mlp.", tp)
+
+
+def mlp_matrices(cfg: ModelConfig) -> Matrices:
+    """The matrices of `layer_mlp`'s layers: the dense SwiGLU's where some layer is dense, the MoE's."""
+    dense = any(not cfg.sparse_layer(i) for i in range(cfg.num_hidden_layers))
+    return (SwiGLU.matrices(cfg) if dense else []) + SparseMoe.matrices(cfg)
 
 
 def sparse_mlp_shapes(cfg: ModelConfig, shapes: Shapes, prefix: str) -> Shapes:

@@ -15,8 +15,8 @@ from typing import Any
 from ..config import ConfigDefaults, ModelConfig
 from . import qwen3
 from .family import Family, Matrices, default_init
-from .layers import Attention, FeedForward, Shapes, SwiGLU, Weights
-from .moe import SparseMoe, checkpoint_layout, layer_index, moe_init, sparse_mlp_shapes
+from .layers import Attention, FeedForward, Shapes, Weights
+from .moe import checkpoint_layout, layer_mlp, mlp_matrices, moe_init, sparse_mlp_shapes
 
 
 def expected_weights(cfg: ModelConfig) -> Shapes:
@@ -28,14 +28,11 @@ class Qwen3MoeModel(qwen3.Qwen3Model):
     """Qwen3 with a mixture of experts in every sparse layer."""
 
     def build_mlp(self, weights: Weights, prefix: str) -> FeedForward:
-        if self.cfg.sparse_layer(layer_index(prefix)):
-            return SparseMoe(self.cfg, weights, prefix + "mlp.", self.tp)
-        return SwiGLU(weights, prefix + "mlp.", self.tp)
+        return layer_mlp(self.cfg, weights, prefix, self.tp)
 
 
 def matrices(cfg: ModelConfig) -> Matrices:
-    dense = any(not cfg.sparse_layer(i) for i in range(cfg.num_hidden_layers))
-    return Attention.matrices(cfg) + (SwiGLU.matrices(cfg) if dense else []) + SparseMoe.matrices(cfg)
+    return Attention.matrices(cfg) + mlp_matrices(cfg)
 
 
 _BASE: dict[str, Any] = {**qwen3.PRESETS["tiny"], "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",

@@ -16,12 +16,12 @@ from ..config import ConfigDefaults, ModelConfig
 from ..kernels import Ops
 from ..parallel.group import SINGLE, TensorParallel
 from ..parallel.shard import NOT_HELD, local_config, shard_plan
-from . import qwen3, qwen3_5, qwen3_5_moe, qwen3_moe
+from . import qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next
 from .family import Family
 from .loader import CheckpointError, load_weights
 from .protocol import Model
 
-FAMILIES: tuple[Family, ...] = (qwen3.FAMILY, qwen3_5.FAMILY, qwen3_moe.FAMILY, qwen3_5_moe.FAMILY)
+FAMILIES: tuple[Family, ...] = (qwen3.FAMILY, qwen3_5.FAMILY, qwen3_moe.FAMILY, qwen3_5_moe.FAMILY, qwen3_next.FAMILY)
 ARCHITECTURES: dict[str, Family] = {name: family for family in FAMILIES for name in family.architectures}
 
 

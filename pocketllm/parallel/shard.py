@@ -156,7 +156,8 @@ def shard_plan(cfg: ModelConfig, rank: int, size: int, expert_parallel: bool = F
         if part in ("o_proj.weight", "down_proj.weight", "out_proj.weight"):
             return TensorShard(1, (_block(shape[1], rank, size),))
         if part in ("q_proj.weight", "q_proj.bias", "gate_proj.weight", "up_proj.weight", "in_proj_z.weight",
-                    "in_proj_b.weight", "in_proj_a.weight", "linear_attn.dt_bias", "linear_attn.A_log",
+                    "in_proj_b.weight", "in_proj_a.weight", "in_proj_qkvz.weight", "in_proj_ba.weight",
+                    "linear_attn.dt_bias", "linear_attn.A_log",
                     "embed_tokens.weight") or name == "lm_head.weight":
             return TensorShard(0, (_block(shape[0], rank, size),))
         return None  # norms, q/k norm weights, o_proj bias: every rank holds them whole

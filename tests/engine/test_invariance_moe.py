@@ -30,7 +30,7 @@ VOCAB = 256  # the tiny presets
 MAX_SEQ_LEN = 224
 
 # (checkpoint variant, backend options): both families; the torch backend with exact positions too.
-VARIANTS = {"qwen3-moe": ("qwen3-moe", {}), "qwen3.5-moe": ("qwen3.5-moe", {}),
+VARIANTS = {"qwen3-moe": ("qwen3-moe", {}), "qwen3.5-moe": ("qwen3.5-moe", {}), "qwen3-next": ("qwen3-next", {}),
             "qwen3-moe_exact": ("qwen3-moe_per_expert", {"exact_positions": True})}
 
 
@@ -77,7 +77,7 @@ def _hybrid_engine(path):
     return _ENGINES[str(path)]
 
 
-@pytest.mark.parametrize("variant", ["qwen3-moe", "qwen3.5-moe"])
+@pytest.mark.parametrize("variant", ["qwen3-moe", "qwen3.5-moe", "qwen3-next"])
 def test_moe_positions_are_exact_on_the_torch_backend(checkpoint_dir, variant):
     """Cuts off the chunk grid, a sequence crossing position 64, every position decoded too."""
     llm = _fresh_slots(_engine(checkpoint_dir(variant), "torch"))

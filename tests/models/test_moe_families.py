@@ -1,7 +1,7 @@
-"""Mixtures of experts (Qwen3-MoE, Qwen3.5-MoE): against Hugging Face transformers on the triton
-backend (interpreted, slow; the torch backend's parity tests are tests/models/test_qwen3_5.py's, run
-on MOE_VARIANTS too: both families, both expert layouts), the loader's two expert layouts, and the
-config's MoE fields."""
+"""Mixtures of experts (Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next): against Hugging Face transformers on the
+triton backend (interpreted, slow; the torch backend's parity tests are tests/models/test_qwen3_5.py's,
+run on MOE_VARIANTS too: every family, both expert layouts), a Qwen3-Next checkpoint transformers
+itself writes, the loader's two expert layouts, and the config's MoE fields."""
 
 from __future__ import annotations
 
@@ -24,23 +24,44 @@ def test_triton_backend_matches_transformers(checkpoint_dir, variant):
     """The triton backend (the grouped-GEMM moe kernel among the others; interpreted here): greedy
     tokens equal transformers', last-token logits within the tolerance."""
     path = checkpoint_dir(variant)
-    hf = hf_model(path)
-    llm = LLM(EngineArgs(model=str(path), backend="triton", max_seq_len=64))
-    prompt = prompt_of(9)
+    _assert_matches(LLM(EngineArgs(model=str(path), backend="triton", max_seq_len=64)), hf_model(path), prompt_of(9), 6)
+
+
+def _assert_matches(llm: LLM, hf, prompt: list[int], new_tokens: int) -> None:
+    """The prompt's last logits within ATOL of transformers', and `new_tokens` greedy tokens equal."""
     with torch.no_grad():
         reference = hf(input_ids=torch.tensor([prompt])).logits[0, -1]
+        expected = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=new_tokens,
+                               min_new_tokens=new_tokens, do_sample=False)[0, len(prompt):].tolist()
     slot = llm.slots.allocate()
     try:
         logits = llm.model.forward(ForwardBatch.build([slot], [0], [prompt], False, "cpu"), llm.cache)[0]
     finally:
         llm.slots.free(slot, [])
     torch.testing.assert_close(logits, reference, atol=ATOL, rtol=ATOL)
-    result = llm.generate(prompt_tokens=prompt, sampling_params=SamplingParams(max_tokens=6, temperature=0.0,
+    result = llm.generate(prompt_tokens=prompt, sampling_params=SamplingParams(max_tokens=new_tokens, temperature=0.0,
                                                                                ignore_eos=True))
-    with torch.no_grad():
-        expected = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6,
-                               do_sample=False)[0, len(prompt):].tolist()
     assert result.token_ids == expected
+
+
+def test_a_qwen3_next_checkpoint_transformers_writes_matches_transformers(tmp_path):
+    """Qwen3NextForCausalLM saved by transformers (its own tensor layout: the grouped in_proj_qkvz and
+    in_proj_ba, dense and sparse layers, three value heads per key head): greedy tokens equal
+    transformers', and the prompt's last logits are within the tolerance."""
+    config = transformers.Qwen3NextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8,
+        linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[2], eos_token_id=255)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3NextForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, tensor in hf.named_parameters():  # transformers' init leaves norms at 0 and A_log flat
+            if tensor.dim() == 1 and "norm" in name or name.endswith(("dt_bias", "A_log")):
+                tensor.normal_(0.0, 0.1)
+    hf.save_pretrained(tmp_path)
+    hf.generation_config.eos_token_id = None
+    _assert_matches(LLM(EngineArgs(model=str(tmp_path), max_seq_len=64)), hf, prompt_of(21), 8)
 
 
 # -- checkpoint layouts --------------------------------------------------------------------------------
@@ -113,7 +134,7 @@ def test_qwen3_5_moe_needs_its_shared_expert_width():
         config_from_dict(raw)
 
 
-@pytest.mark.parametrize("architecture", ["Qwen3NextForCausalLM", "Qwen2MoeForCausalLM"])
+@pytest.mark.parametrize("architecture", ["Qwen2MoeForCausalLM", "Qwen3OmniMoeForCausalLM"])
 def test_an_unknown_architecture_is_named_with_the_supported_ones(architecture):
     """Refused before any field is read (a MoE config of an unsupported family has no
     intermediate_size: the error must name the architecture, not that field)."""

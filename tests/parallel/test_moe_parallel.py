@@ -4,7 +4,8 @@ of one process, and without the reduction tree they do not.
 
 As in test_tensor_parallel.py, sharded batched runs are compared with single-process serial runs,
 so one property proves batched == serial and size n == size 1 together, with chunked prefill,
-prefix reuse and preemption in the mix, on both MoE families and both checkpoint layouts."""
+prefix reuse and preemption in the mix, on the three MoE families (Qwen3-Next's grouped Gated
+DeltaNet projections split by whole key-head groups) and both checkpoint layouts."""
 
 from __future__ import annotations
 
@@ -88,7 +89,8 @@ def test_an_expert_parallel_rank_loads_only_its_experts(checkpoint_dir):
 
 
 @pytest.fixture(scope="module", params=[("qwen3-moe", "tensor"), ("qwen3-moe", "expert"),
-                                        ("qwen3.5-moe_mm_per_expert", "expert"), ("qwen3.5-moe", "tensor")],
+                                        ("qwen3.5-moe_mm_per_expert", "expert"), ("qwen3.5-moe", "tensor"),
+                                        ("qwen3-next", "tensor")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def engines(request, checkpoint_dir):
     variant, layout = request.param
