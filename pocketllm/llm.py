@@ -22,6 +22,7 @@ from .kernels.backends import get_backend
 from .kernels.gated_delta_prefill import needs_replay
 from .kernels.linear import NATIVE_SHARDS
 from .kernels.probe import GatedDeltaProbe, ProbeReport, probe_row_invariance
+from .launch import launched_rank, launched_workers, serve_launched_rank
 from .models import build_model
 from .models.registry import layer_specs, read_config
 from .op_table import op_table
@@ -135,9 +136,14 @@ class LLM:
         tp = TensorParallel(0, size, tree=tree_enabled(args.options.backend.tree_reduction, size, native),
                             expert_parallel=args.enable_expert_parallel)
         self.tree_reduction = tp.tree
+        launched = launched_rank(size)  # under torchrun: every rank runs this program
         if size > 1:
-            check_parallel(self.model_config, size, tp.tree, self.device, tp.expert_parallel)
-            self.workers = Workers(args, size, replay)  # starts loading beside this process
+            check_parallel(self.model_config, size, tp.tree, self.device, tp.expert_parallel,
+                           launched.local_size if launched is not None else size)
+        if launched is not None and launched.rank > 0:
+            serve_launched_rank(args, launched, replay)  # ends the process when rank 0 closes the engine
+        if size > 1:  # starts loading beside this process
+            self.workers = launched_workers(launched) if launched is not None else Workers.spawn(args, size, replay)
         try:
             self.model = build_model(args.model, self.model_config, ops, args.torch_dtype, self.device,
                                      args.max_seq_len, tp, args.torch_weight_dtype)

@@ -94,35 +94,39 @@ def state_digest(model: Any) -> torch.Tensor:
                         dtype=torch.int64)
 
 
-def _worker_main(spec: WorkerSpec, status: multiprocessing.connection.Connection) -> None:
-    """A worker process: build, report, join the group, serve. Imports happen here, in the child."""
+def build_rank(args: EngineArgs, rank: int, size: int, replay: bool,
+               device: torch.device) -> tuple[TensorParallel, Any, SlotCache]:
+    """Rank `rank`'s group handle (not yet connected), shard of the model and slot cache."""
     from .models import build_model, read_config
     from .op_table import op_table
 
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    tp = TensorParallel(rank, size, tree=tree_enabled(args.options.backend.tree_reduction, size),
+                        expert_parallel=args.enable_expert_parallel)
+    model = build_model(args.model, read_config(args.model), op_table(args), args.torch_dtype, device,
+                        args.max_seq_len, tp, args.torch_weight_dtype)
+    cache = SlotCache(args.max_batch_size, args.max_seq_len, model.cache_specs(), args.torch_dtype, device,
+                      replay=replay)
+    return tp, model, cache
+
+
+def _worker_main(spec: WorkerSpec, status: multiprocessing.connection.Connection) -> None:
+    """A worker process: build, report, join the group, serve. Imports happen here, in the child."""
     try:
         torch.set_num_threads(spec.threads)
-        args, options = spec.args, spec.args.options.backend
-        device = rank_device(torch.device(args.device), spec.rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        tp = TensorParallel(spec.rank, spec.size, tree=tree_enabled(options.tree_reduction, spec.size),
-                            expert_parallel=args.enable_expert_parallel)
-        ops = op_table(args)
-        cfg = read_config(args.model)
-        model = build_model(args.model, cfg, ops, args.torch_dtype, device, args.max_seq_len, tp,
-                            args.torch_weight_dtype)
-        cache = SlotCache(args.max_batch_size, args.max_seq_len, model.cache_specs(), args.torch_dtype, device,
-                          replay=spec.replay)
+        device = rank_device(torch.device(spec.args.device), spec.rank)
+        tp, model, cache = build_rank(spec.args, spec.rank, spec.size, spec.replay, device)
     except BaseException as exc:  # reported to rank 0, which raises it
         status.send(f"{type(exc).__name__}: {exc}")
         return
     status.send(None)
     tp.connect(spec.port, device)
-    _serve(tp, model, cache, device)
+    serve(tp, model, cache, device)
 
 
 @torch.inference_mode()
-def _serve(tp: TensorParallel, model: Any, cache: SlotCache, device: torch.device) -> None:
+def serve(tp: TensorParallel, model: Any, cache: SlotCache, device: torch.device) -> None:
     """Run rank 0's commands until "stop"; an exception ends the process (rank 0 notices)."""
     swaps: dict[int, SwappedSlot] = {}
     snapshot: StateSnapshot | None = None
@@ -155,31 +159,38 @@ def _serve(tp: TensorParallel, model: Any, cache: SlotCache, device: torch.devic
 
 
 class Workers:
-    """Rank 0's handle on ranks 1..n-1: start them, send them commands, notice and report their end."""
+    """Rank 0's handle on ranks 1..n-1: start them (`spawn`) or meet them where torchrun started
+    them (`launched`, see `pocketllm.launch`), send them commands, notice and report their end."""
 
-    def __init__(self, args: EngineArgs, size: int, replay: bool) -> None:
-        self.size = size
-        self.store = open_store(size)
+    def __init__(self, size: int, store: Any, port: int = 0) -> None:
+        self.size, self.store, self.port = size, store, port
         self.broken: str | None = None
         self.tp: TensorParallel | None = None
-        context = multiprocessing.get_context("spawn")
         self.processes: list[multiprocessing.process.BaseProcess] = []
         self._status: list[multiprocessing.connection.Connection] = []
+
+    @classmethod
+    def spawn(cls, args: EngineArgs, size: int, replay: bool) -> Workers:
+        """Start ranks 1..size-1 as processes of this machine, on a store of this process's."""
+        store = open_store(size)
+        workers = cls(size, store, store.port)
+        context = multiprocessing.get_context("spawn")
         for rank in range(1, size):
             receiver, sender = context.Pipe(duplex=False)
-            spec = WorkerSpec(args, rank, size, self.store.port, replay, torch.get_num_threads())
+            spec = WorkerSpec(args, rank, size, store.port, replay, torch.get_num_threads())
             process = context.Process(target=_worker_main, args=(spec, sender), daemon=True,
                                       name=f"pocketllm-tp-rank{rank}")
             try:
                 process.start()  # pickles the spec for the new interpreter
             except (pickle.PicklingError, AttributeError, TypeError) as exc:
-                self.stop()
+                workers.stop()
                 raise ValueError(f"tensor_parallel_size={size}: the engine's arguments must reach the worker "
                                  f"processes, and {exc}; pass op_overrides as registered names or "
                                  f"'module:function' paths") from None
             sender.close()
-            self.processes.append(process)
-            self._status.append(receiver)
+            workers.processes.append(process)
+            workers._status.append(receiver)
+        return workers
 
     def connect(self, tp: TensorParallel, device: torch.device) -> None:
         """Wait until every worker has built its shard (raising what one failed with), then join the group."""
@@ -199,7 +210,7 @@ class Workers:
             if error is not None:
                 self.stop()
                 raise WorkerError(f"tensor-parallel worker {rank} failed to load: {error}")
-        tp.connect(self.store.port, device, self.store)
+        tp.connect(self.port, device, self.store)
         self.tp = tp
 
     def _exited_before_reporting(self, rank: int, process: multiprocessing.process.BaseProcess) -> WorkerError:
@@ -248,6 +259,8 @@ class Workers:
         connected = self.tp is not None and self.broken is None
         self.broken = self.broken or "the engine was closed"
         self._terminate(STOP_TIMEOUT_S if connected else 0.0)  # unconnected workers wait for a group
+        if self.tp is not None:
+            self.tp.close()
 
     def _terminate(self, wait_s: float) -> None:
         """Give the workers `wait_s` seconds to exit, then kill the ones left."""

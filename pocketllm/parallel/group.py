@@ -36,9 +36,10 @@ class TensorParallel:
         self._group: Any = None
         self._commands: Any = None
 
-    def connect(self, port: int, device: torch.device, store: dist.TCPStore | None = None) -> None:
+    def connect(self, port: int, device: torch.device, store: dist.Store | None = None) -> None:
         """Join the engine's ranks (blocks until all have): commands on Gloo, collectives on the
-        device's group. Rank 0 passes the store it opened; the others reach it by `port`."""
+        device's group. Rank 0 passes the store it opened, a launched rank the rendezvous store
+        (`pocketllm.launch`); spawned workers reach rank 0's by `port`."""
         if store is None:
             store = dist.TCPStore("127.0.0.1", port, self.size, is_master=False, timeout=TIMEOUT)
         self._commands = dist.ProcessGroupGloo(dist.PrefixStore("commands/", store), self.rank, self.size, TIMEOUT)
@@ -49,6 +50,11 @@ class TensorParallel:
             self._group = dist.ProcessGroupNCCL(prefix, self.rank, self.size, options)
         else:
             self._group = dist.ProcessGroupGloo(prefix, self.rank, self.size, TIMEOUT)
+
+    def close(self) -> None:
+        """Let go of the groups now (their threads end here), not at interpreter exit, where a
+        group's destructor can abort the process."""
+        self._group = self._commands = None
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `tensor` (same shape everywhere), in rank order."""

@@ -43,12 +43,14 @@ NOT_HELD = TensorShard(0, ())  # a plan's answer for a tensor the rank does not 
 
 
 def check_parallel(cfg: ModelConfig, size: int, tree: bool, device: torch.device,
-                   expert_parallel: bool = False) -> None:
+                   expert_parallel: bool = False, here: int | None = None) -> None:
     """ValueError naming the field when `size` ranks cannot share `cfg` (its experts split as
     `expert_parallel` says), when `size` is not one of the sizes the tree's shards allow (with the
-    tree), or when CUDA has too few devices from `device` on."""
-    if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices from {device}; "
+    tree), or when CUDA has too few devices from `device` on for the `here` ranks of this host
+    (None: all of them)."""
+    here = size if here is None else here
+    if device.type == "cuda" and (device.index or 0) + here > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={size} needs {here} CUDA devices from {device} on this host; "
                          f"torch finds {torch.cuda.device_count()}")
     if cfg.num_experts:
         _check_experts(cfg, size, tree, expert_parallel)
