@@ -78,10 +78,11 @@ def markdown(report: dict[str, Any]) -> str:
              f"load average at the end {report['load_average_1min_at_end']}", "",
              "| configuration | threads/rank | tokens/s | vs TP=1 no tree | bitwise = TP=1 tree | "
              "KiB sent per decode step (rank 0) |", "|---|---|---|---|---|---|"]
-    base = report["configs"]["TP=1, no tree"]["tokens_per_s"]
+    base = report["configs"].get("TP=1, no tree", {}).get("tokens_per_s")
     for name, row in report["configs"].items():
-        lines.append(f"| {name} | {row['threads_per_rank']} | {row['tokens_per_s']:.1f} | "
-                     f"{row['tokens_per_s'] / base:.2f}x | {'yes' if row['same_as_tree'] else 'no'} | "
+        same = {None: "not run", True: "yes", False: "no"}[row["same_as_tree"]]
+        ratio = f"{row['tokens_per_s'] / base:.2f}x" if base else "not run"
+        lines.append(f"| {name} | {row['threads_per_rank']} | {row['tokens_per_s']:.1f} | {ratio} | {same} | "
                      f"{row['bytes_per_decode_step'] / 1024:.1f} |")
     return "\n".join(lines) + "\n"
 
@@ -108,9 +109,10 @@ def main() -> None:
         configs[name] = row
         print(f"{name}: {row['tokens_per_s']:.1f} tokens/s ({row['threads_per_rank']} threads per rank, "
               f"loaded in {row['load_s']:.1f} s)", flush=True)
-    reference = configs["TP=1, tree"]["outputs"]
+    reference = configs["TP=1, tree"]["outputs"] if "TP=1, tree" in configs else None  # --sizes without 1
     for row in configs.values():
-        row["same_as_tree"] = row.pop("outputs") == reference
+        outputs = row.pop("outputs")
+        row["same_as_tree"] = None if reference is None else outputs == reference
     report = {"machine": machine_info(), "preset": args.preset, "requests": args.requests, "prompt": args.prompt,
               "new": args.new, "device": args.device, "configs": configs,
               "load_average_1min_at_end": load_average()}

@@ -71,3 +71,16 @@ def test_a_host_not_of_this_machine_is_one_line_and_status_2(serve_checkpoint, n
     host = "203.0.113.7"  # TEST-NET-3: never an address of this machine
     assert main(["serve", "--model", str(serve_checkpoint), "--host", host, "--port", "8000"]) == 2
     assert f"--host {host}" in _one_line_error(capsys)
+
+
+def test_the_engine_options_reach_the_engine_arguments(serve_checkpoint):
+    """vLLM's spellings: --tensor-parallel-size and --enable-expert-parallel (off unless given)."""
+    from pocketllm.cli import build_parser
+    from pocketllm.serve.cli import engine_args
+
+    args = build_parser().parse_args(["serve", "--model", str(serve_checkpoint), "--tensor-parallel-size", "2",
+                                      "--enable-expert-parallel"])
+    config = engine_args(args)
+    assert (config.tensor_parallel_size, config.enable_expert_parallel) == (2, True)
+    default = engine_args(build_parser().parse_args(["serve", "--model", str(serve_checkpoint)]))
+    assert not default.enable_expert_parallel

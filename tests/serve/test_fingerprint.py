@@ -77,6 +77,7 @@ def reference(serve_checkpoint):
 def test_the_tensor_parallel_size_is_left_out_where_the_tree_gives_every_size_the_same_bits(reference):
     _, settings = reference
     assert settings["tree_reduction"] and "tensor_parallel_size" not in settings
+    assert "enable_expert_parallel" not in settings
     assert settings["exact_positions"] and settings["ops"]["linear"] == "fixed_order"
     assert settings["instruction_sets"]["linear_variant"] in ("avx512", "avx2")
 
@@ -91,8 +92,8 @@ def test_another_checkpoint_or_option_gives_another_fingerprint(reference, serve
     with LLM(dataclasses.replace(engine_args(path, **options), weight_dtype=weight_dtype)) as llm:
         theirs, settings = bits_fingerprint(llm), bits_settings(llm)
     assert FINGERPRINT.fullmatch(theirs) and theirs != reference[0]
-    if options == {"tree_reduction": False}:  # without the tree, the size decides the sums
-        assert settings["tensor_parallel_size"] == 1
+    if options == {"tree_reduction": False}:  # without the tree, the size and the experts' layout decide the sums
+        assert settings["tensor_parallel_size"] == 1 and settings["enable_expert_parallel"] is False
     if options == {"exact_positions": False}:  # where prompts are cut decides the bits then
         assert settings["prompt_cuts"] == [512, 512]
 
