@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the speculative decoding benchmark instead: each method against none, lookup-friendly "
                              "and random workloads, batch 1 and 8, at Qwen3-0.6B and Qwen3.5-0.8B shapes (see "
                              "pocketllm.bench.speculative; tiny presets with --quick)")
+    parser.add_argument("--tensor-parallel", action="store_true",
+                        help="the tensor-parallel benchmark instead: one process and two ranks, with and without the "
+                             "reduction tree, experts split by features and whole, tokens/s and bytes per decode "
+                             "step, on the MoE small presets (see pocketllm.bench.tensor_parallel; tiny with --quick)")
     parser.add_argument("--clients", type=int, default=8, help="concurrent clients (and slots) of --serving")
     parser.add_argument("--device", default="cpu", help="device of the --scheduling runs")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
@@ -116,26 +120,28 @@ def main(argv: list[str] | None = None) -> int:
     return run_command("bench", lambda: _run(args))
 
 
-def _run(args: argparse.Namespace) -> int:
-    check_arguments(args)
-    skipped = missing_extras(args.no_transformers)
-    for part, why in skipped.items():
-        print(f"pocketllm bench: skipping {part.replace('_', ' ')}: {why}", file=sys.stderr)
+def _run_another(args: argparse.Namespace, skipped: dict[str, str]) -> bool:
+    """Run the benchmark an option asks for instead of the throughput one; False when none does."""
     if args.scheduling:
         from .scheduling import run as run_scheduling
 
         print(run_scheduling(args.out, args.quick, args.seed, args.device, "plots" not in skipped))
-        return 0
+        return True
     if args.speculative:
         from .speculative import run as run_speculative
 
         print(run_speculative(args.out, args.quick, args.seed, (args.preset,) if args.preset else None))
-        return 0
+        return True
+    if args.tensor_parallel:
+        from .tensor_parallel import run as run_tensor_parallel
+
+        print(run_tensor_parallel(args.out, args.quick, (args.preset,) if args.preset else None))
+        return True
     if args.serving:
         from .serving import run as run_serving
 
         print(run_serving(args.out, args.quick, args.seed, args.preset, args.clients))
-        return 0
+        return True
     if args.real_shapes:
         from .real_shapes import run
 
@@ -145,6 +151,16 @@ def _run(args: argparse.Namespace) -> int:
             print(f"pocketllm bench: skipping the vLLM peer: {peer_missing}", file=sys.stderr)
         print(run(args.out, args.quick, args.seed, "transformers_baseline" not in skipped, "plots" not in skipped,
                   python if peer_missing is None else None, (args.preset,) if args.preset else None))
+        return True
+    return False
+
+
+def _run(args: argparse.Namespace) -> int:
+    check_arguments(args)
+    skipped = missing_extras(args.no_transformers)
+    for part, why in skipped.items():
+        print(f"pocketllm bench: skipping {part.replace('_', ' ')}: {why}", file=sys.stderr)
+    if _run_another(args, skipped):
         return 0
     scale = SCALES["quick" if args.quick else "full"]
     preset = args.preset or scale.preset
