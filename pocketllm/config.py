@@ -48,7 +48,8 @@ class EngineArgs:
     callable, each checked against the op's signature here (see `pocketllm.kernels.registry`).
 
     `tensor_parallel_size` > 1 shards the model over that many processes (this one and workers it
-    starts; on CUDA one GPU each, from `device` on); see `pocketllm.parallel`.
+    starts; on CUDA one GPU each, from `device` on); `pipeline_parallel_size` > 1 gives each process
+    a block of consecutive layers instead; see `pocketllm.parallel`.
 
     `weight_dtype` (None: `dtype`) is the dtype the weight matrices are kept in (every tensor of two or
     more dimensions but the Gated DeltaNet convolutions: the linear layers, the experts, the embedding
@@ -76,6 +77,7 @@ class EngineArgs:
     backend_options: dict[str, Any] | None = None
     op_overrides: dict[str, ImplSpec] | None = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False
     weight_dtype: DTypeName | None = None
     bf16_product: str = "dot"
@@ -124,9 +126,10 @@ def _check_engine_fields(args: EngineArgs) -> None:
     if isinstance(args.max_seq_len, bool) or not isinstance(args.max_seq_len, int) or args.max_seq_len < 2:
         raise ValueError(f"max_seq_len must be an int >= 2, got {short(args.max_seq_len)}")
     check_device(args.device)
-    size = args.tensor_parallel_size
-    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 64:
-        raise ValueError(f"tensor_parallel_size must be an int in [1, 64], got {short(size)}")
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        size = getattr(args, name)
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 64:
+            raise ValueError(f"{name} must be an int in [1, 64], got {short(size)}")
     if not isinstance(args.enable_expert_parallel, bool):
         raise ValueError(f"enable_expert_parallel must be True or False, got {short(args.enable_expert_parallel)}")
 

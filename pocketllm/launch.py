@@ -79,7 +79,7 @@ def serve_launched_rank(args: EngineArgs, launched: LaunchedRank, replay: bool) 
     """A launched rank other than 0: build its shard, join the engine's groups, serve rank 0 until
     it stops the engine, then end the process."""
     device = rank_device(torch.device(args.device), launched)
-    tp, model, cache = build_rank(args, launched.rank, launched.size, replay, device)
+    tp, model, cache = build_rank(args, launched.rank, replay, device)
     tp.connect(0, device, _store())
     serve(tp, model, cache, device)
     tp.close()

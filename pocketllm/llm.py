@@ -20,16 +20,14 @@ from .grammar import Grammars
 from .kernels import Ops
 from .kernels.backends import get_backend
 from .kernels.gated_delta_prefill import needs_replay
-from .kernels.linear import NATIVE_SHARDS
 from .kernels.probe import GatedDeltaProbe, ProbeReport, probe_row_invariance
 from .launch import launched_rank, launched_workers, serve_launched_rank
 from .models import build_model
 from .models.registry import layer_specs, read_config
 from .op_table import op_table
 from .outputs import GenerationResult
-from .parallel.group import TensorParallel
+from .parallel.pipeline import check_pipeline
 from .parallel.shard import check_parallel
-from .parallel.tree import tree_enabled
 from .runner import ModelRunner
 from .sampling import SamplingParams, params_for
 from .scheduler import BatchScheduler, PrefillPolicy, Request, check_submission, is_array
@@ -40,7 +38,7 @@ from .scheduler.slots import SlotManager
 from .scheduler.speculation import check_speculative, speculation_for
 from .scheduler.stream import TokenDelta
 from .tokenizer import load_tokenizer
-from .workers import ParallelCache, Workers
+from .workers import ParallelCache, Workers, rank_parallel
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -131,14 +129,13 @@ class LLM:
         args = self.args
         ops = op_table(self.args)
         replay = self._replay_buffers(ops)
-        size = args.tensor_parallel_size
-        native = args.torch_dtype == torch.float32 and {ops.linear, ops.prefill_linear} <= NATIVE_SHARDS.keys()
-        tp = TensorParallel(0, size, tree=tree_enabled(args.options.backend.tree_reduction, size, native),
-                            expert_parallel=args.enable_expert_parallel)
+        size = args.tensor_parallel_size * args.pipeline_parallel_size  # processes
+        tp, group = rank_parallel(args, ops, 0, self.model_config.num_hidden_layers)
         self.tree_reduction = tp.tree
         launched = launched_rank(size)  # under torchrun: every rank runs this program
+        check_pipeline(self.model_config, args.pipeline_parallel_size, args.tensor_parallel_size)
         if size > 1:
-            check_parallel(self.model_config, size, tp.tree, self.device, tp.expert_parallel,
+            check_parallel(self.model_config, tp.size, tp.tree, self.device, tp.expert_parallel,
                            launched.local_size if launched is not None else size)
         if launched is not None and launched.rank > 0:
             serve_launched_rank(args, launched, replay)  # ends the process when rank 0 closes the engine
@@ -152,7 +149,7 @@ class LLM:
                 self.cache = SlotCache(args.max_batch_size, args.max_seq_len, specs, args.torch_dtype, self.device,
                                        replay=replay)
             else:
-                self.workers.connect(tp, self.device)
+                self.workers.connect(group, self.device)
                 self.cache = ParallelCache(args.max_batch_size, args.max_seq_len, specs, args.torch_dtype,
                                            self.device, replay, self.workers)
             self.runner = ModelRunner(self.model, self.cache, self.device, self.workers)

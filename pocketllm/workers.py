@@ -31,8 +31,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .cache import LayerCacheSpec, SlotCache, StateSnapshot, SwappedSlot
+from .kernels import Ops
+from .kernels.linear import NATIVE_SHARDS
 from .models.batch import ForwardBatch
 from .parallel.group import TensorParallel, open_store
+from .parallel.pipeline import PipelineStage, stage_layers
 from .parallel.tree import tree_enabled
 
 if TYPE_CHECKING:
@@ -94,21 +97,35 @@ def state_digest(model: Any) -> torch.Tensor:
                         dtype=torch.int64)
 
 
-def build_rank(args: EngineArgs, rank: int, size: int, replay: bool,
+def rank_parallel(args: EngineArgs, ops: Ops, rank: int, num_layers: int) -> tuple[TensorParallel, TensorParallel]:
+    """(what rank `rank`'s model is built with, the group its process joins): under tensor
+    parallelism one object, its shard's; in a pipeline, an unsharded model of its stage's layers,
+    whose group is the stages'. The tree's default at one rank follows the kernels (`tree_enabled`)."""
+    size, stages = args.tensor_parallel_size, args.pipeline_parallel_size
+    native = args.torch_dtype == torch.float32 and {ops.linear, ops.prefill_linear} <= NATIVE_SHARDS.keys()
+    tree = tree_enabled(args.options.backend.tree_reduction, size, native)
+    if stages == 1:
+        tp = TensorParallel(rank, size, tree=tree, expert_parallel=args.enable_expert_parallel)
+        return tp, tp
+    group = TensorParallel(rank, stages)
+    stage = PipelineStage(rank, stages, stage_layers(num_layers, rank, stages), group)
+    return TensorParallel(0, 1, tree=tree, pipeline=stage), group
+
+
+def build_rank(args: EngineArgs, rank: int, replay: bool,
                device: torch.device) -> tuple[TensorParallel, Any, SlotCache]:
-    """Rank `rank`'s group handle (not yet connected), shard of the model and slot cache."""
+    """Rank `rank`'s group (not yet connected), its part of the model and its slot cache."""
     from .models import build_model, read_config
     from .op_table import op_table
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    tp = TensorParallel(rank, size, tree=tree_enabled(args.options.backend.tree_reduction, size),
-                        expert_parallel=args.enable_expert_parallel)
-    model = build_model(args.model, read_config(args.model), op_table(args), args.torch_dtype, device,
-                        args.max_seq_len, tp, args.torch_weight_dtype)
+    ops, cfg = op_table(args), read_config(args.model)
+    tp, group = rank_parallel(args, ops, rank, cfg.num_hidden_layers)
+    model = build_model(args.model, cfg, ops, args.torch_dtype, device, args.max_seq_len, tp, args.torch_weight_dtype)
     cache = SlotCache(args.max_batch_size, args.max_seq_len, model.cache_specs(), args.torch_dtype, device,
                       replay=replay)
-    return tp, model, cache
+    return group, model, cache
 
 
 def _worker_main(spec: WorkerSpec, status: multiprocessing.connection.Connection) -> None:
@@ -116,7 +133,7 @@ def _worker_main(spec: WorkerSpec, status: multiprocessing.connection.Connection
     try:
         torch.set_num_threads(spec.threads)
         device = rank_device(torch.device(spec.args.device), spec.rank)
-        tp, model, cache = build_rank(spec.args, spec.rank, spec.size, spec.replay, device)
+        tp, model, cache = build_rank(spec.args, spec.rank, spec.replay, device)
     except BaseException as exc:  # reported to rank 0, which raises it
         status.send(f"{type(exc).__name__}: {exc}")
         return

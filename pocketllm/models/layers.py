@@ -296,8 +296,8 @@ class DecoderModel:
         self.final_norm = self.norm_weight(weights[prefix + "norm.weight"])
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
         self.rope = Rope.build(cfg, max_seq_len, self.embed.device)
-        self.blocks = [self.build_block(weights, f"{prefix}layers.{i}.", kind)
-                       for i, kind in enumerate(cfg.layer_types)]
+        layers = tp.pipeline.layers if tp.pipeline is not None else range(cfg.num_hidden_layers)
+        self.blocks = [self.build_block(weights, f"{prefix}layers.{i}.", cfg.layer_types[i]) for i in layers]
 
     @staticmethod
     def weight_shapes(cfg: ModelConfig, prefix: str = "model.") -> Shapes:
@@ -335,16 +335,25 @@ class DecoderModel:
         ops, eps = self.ops, self.cfg.rms_norm_eps
         # Token rows go through their kind's linear (body_ops); the lm_head sees only the rows whose logits are wanted.
         rows_ops = body_ops(ops, batch)
-        hidden = self._embed(batch.input_ids)
+        stage, rows = self.tp.pipeline, batch.logit_rows.numel()
+        hidden = self._embed(batch.input_ids) if stage is None or stage.first else stage.receive(
+            batch.input_ids.numel(), self.cfg.hidden_size, self.dtype, self.embed.device)
         for index, block in enumerate(self.blocks):
             hidden = block.forward(rows_ops, hidden, batch, cache, index, eps)
         if self.keep_normed:
             self.normed = ops.rms_norm(hidden, self.final_norm, eps)
-        if batch.logit_rows.numel() == 0:  # only prefill pieces that end inside their prompts, unscored
+        if stage is not None and not stage.last:  # the later stages compute the logits; rank 0 gets them
+            stage.send(hidden)
+            if stage.first and rows:
+                return stage.logits_from_last(rows, self.lm_head.shape[0], hidden.device)
+        if rows == 0 or (stage is not None and not stage.last):  # only pieces that end inside their prompts
             return hidden.new_empty(0, self.lm_head.shape[0], dtype=torch.float32)
         last = hidden.index_select(0, batch.logit_rows)
         logits = ops.linear(ops.rms_norm(last, self.final_norm, eps), self.lm_head).float()
-        return logits if self.tp.size == 1 else torch.cat(self.tp.all_gather(logits), dim=-1)
+        logits = logits if self.tp.size == 1 else torch.cat(self.tp.all_gather(logits), dim=-1)
+        if stage is not None:
+            stage.logits_to_first(logits)
+        return logits
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows; under tensor parallelism each rank looks up the ids of its vocabulary

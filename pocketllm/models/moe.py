@@ -164,6 +164,8 @@ def checkpoint_layout(cfg: ModelConfig, path: Path,
         for mlp in per_expert:
             experts = [e for e in range(expected[mlp + FUSED_GATE_UP][0])
                        if f"{mlp}experts.{e}.down_proj.weight" in weights]
+            if not experts:  # another pipeline stage's layer
+                continue
             parts = [[weights.pop(f"{mlp}experts.{e}.{matrix}.weight") for matrix in PER_EXPERT] for e in experts]
             weights[mlp + FUSED_GATE_UP] = torch.stack([torch.cat([gate, up]) for gate, up, _ in parts])
             weights[mlp + FUSED_DOWN] = torch.stack([down for _, _, down in parts])

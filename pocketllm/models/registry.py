@@ -15,6 +15,7 @@ from ..cache import LayerCacheSpec, attention_spec
 from ..config import ConfigDefaults, ModelConfig
 from ..kernels import Ops
 from ..parallel.group import SINGLE, TensorParallel
+from ..parallel.pipeline import pipeline_plan
 from ..parallel.shard import NOT_HELD, local_config, shard_plan
 from . import qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next
 from .family import Family
@@ -63,7 +64,8 @@ def build_model(path: str | Path, cfg: ModelConfig, ops: Ops, dtype: torch.dtype
                 device: torch.device | str, max_seq_len: int, tp: TensorParallel = SINGLE,
                 weight_dtype: torch.dtype | None = None) -> Model:
     """Load the checkpoint at `path` into the model class its architecture names; under tensor
-    parallelism, this rank's share of it (its tensors read from the files slice by slice). The weight
+    parallelism, this rank's share of it (its tensors read from the files slice by slice); in a
+    pipeline stage (`tp.pipeline`), its layers only. The weight
     matrices (`is_matrix`) are kept in `weight_dtype` (None: `dtype`), everything else in `dtype`."""
     if cfg.architecture not in ARCHITECTURES:
         raise CheckpointError(
@@ -71,7 +73,8 @@ def build_model(path: str | Path, cfg: ModelConfig, ops: Ops, dtype: torch.dtype
             f"supported: {sorted(ARCHITECTURES)}"
         )
     family = ARCHITECTURES[cfg.architecture]
-    plan = shard_plan(cfg, tp.rank, tp.size, tp.expert_parallel) if tp.size > 1 else None
+    plan = (shard_plan(cfg, tp.rank, tp.size, tp.expert_parallel) if tp.size > 1
+            else pipeline_plan(tp.pipeline) if tp.pipeline is not None else None)
     expected = family.expected_weights(cfg)
     to_load, convert = ((expected, lambda weights: weights) if family.checkpoint_layout is None
                         else family.checkpoint_layout(cfg, Path(path), expected))

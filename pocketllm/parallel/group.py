@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import datetime
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .pipeline import PipelineStage
 
 # How long a collective waits for the other ranks. A rank that dies is noticed at once (its
 # connections close); this bounds only a rank that is alive but stuck.
@@ -30,8 +33,10 @@ class TensorParallel:
     expert's intermediate features (see `models/experts.py`).
     """
 
-    def __init__(self, rank: int = 0, size: int = 1, tree: bool = False, expert_parallel: bool = False) -> None:
+    def __init__(self, rank: int = 0, size: int = 1, tree: bool = False, expert_parallel: bool = False,
+                 pipeline: PipelineStage | None = None) -> None:
         self.rank, self.size, self.tree, self.expert_parallel = rank, size, tree, expert_parallel
+        self.pipeline = pipeline  # the pipeline stage this process runs (None: every layer)
         self.sent_bytes = 0  # what this rank put into collectives (its own tensor, once per call)
         self._group: Any = None
         self._commands: Any = None
@@ -65,6 +70,17 @@ class TensorParallel:
         out = [torch.empty_like(tensor) for _ in range(self.size)]
         self._group.allgather([out], [tensor]).wait()
         return out
+
+    def send(self, tensor: torch.Tensor, rank: int) -> None:
+        """`tensor` to rank `rank` (which receives it with `recv`)."""
+        tensor = tensor.contiguous()
+        self.sent_bytes += tensor.numel() * tensor.element_size()
+        self._group.send([tensor], rank, 0).wait()
+
+    def recv(self, into: torch.Tensor, rank: int) -> torch.Tensor:
+        """`into`, filled with what rank `rank` sends."""
+        self._group.recv([into], rank, 0).wait()
+        return into
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over ranks in the library's own order (the tree's negative control)."""

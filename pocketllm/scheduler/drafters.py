@@ -88,6 +88,7 @@ def drafter_for(args: EngineArgs, model: Model) -> Drafting | None:
     if config.method == "draft_model":
         assert config.model is not None  # checked with the config
         return DraftModel(args, config.model, model.cfg.vocab_size)
-    if args.tensor_parallel_size > 1:
-        raise ValueError("speculative method 'mtp' runs at tensor_parallel_size 1 only, for now")
+    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
+        raise ValueError("speculative method 'mtp' runs in one process only (tensor_parallel_size and "
+                         "pipeline_parallel_size 1), for now")
     return MtpDrafts(args.model, model, args.max_batch_size, args.max_seq_len)

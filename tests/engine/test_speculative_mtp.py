@@ -140,8 +140,9 @@ def test_mtp_is_refused_where_it_cannot_run(mtp_checkpoints, checkpoint_dir):
         LLM(EngineArgs(model=str(checkpoint_dir("qwen3.5")), max_seq_len=64, speculative=MTP))
     with pytest.raises(CheckpointError, match="has no multi-token-prediction tensors"):
         LLM(EngineArgs(model=str(checkpoint_dir("tiny")), max_seq_len=64, speculative=MTP))
-    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
-        LLM(EngineArgs(model=str(mtp_checkpoints["qwen3.5"]), max_seq_len=64, speculative=MTP,
-                       tensor_parallel_size=2))
+    for sizes in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
+        with pytest.raises(ValueError, match=r"'mtp' runs in one process only \(tensor_parallel_size and "
+                                             r"pipeline_parallel_size 1\)"):
+            LLM(EngineArgs(model=str(mtp_checkpoints["qwen3.5"]), max_seq_len=64, speculative=MTP, **sizes))
     with pytest.raises(ValueError, match="mtp=True needs a Qwen3.5 preset"):
         write_checkpoint(checkpoint_dir("tiny").parent / "no-mtp", "tiny", mtp=True)
