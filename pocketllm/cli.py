@@ -109,6 +109,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     options = {"enable_batching": True, "background_thread": False} if args.stream else None
     llm = LLM(EngineArgs(model=args.model, dtype=args.dtype, device=args.device, max_seq_len=args.max_seq_len,
                          backend_options=options, tensor_parallel_size=args.tensor_parallel_size,
+                         pipeline_parallel_size=args.pipeline_parallel_size,
                          enable_expert_parallel=args.enable_expert_parallel))
     with llm:
         if args.stream:
@@ -186,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-seq-len", type=int, default=4096)
     gen.add_argument("--stream", action="store_true", help="print each token as it is sampled")
     gen.add_argument("--tensor-parallel-size", type=int, default=1, help="shard the model over this many processes")
+    gen.add_argument("--pipeline-parallel-size", type=int, default=1,
+                       help="give each of this many processes a block of consecutive layers")
     gen.add_argument("--enable-expert-parallel", action="store_true",
                      help="mixture-of-experts models: each process holds whole experts (the same bits either way)")
     gen.set_defaults(func=cmd_generate)

@@ -114,6 +114,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting", type=int, default=0,
                         help="waiting requests beyond which a request is answered 429 (0: no bound)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="shard the model over this many processes")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1,
+                          help="give each of this many processes a block of consecutive layers")
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="mixture-of-experts models: each process holds whole experts (the same bits either way)")
     parser.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
@@ -128,6 +130,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
     return EngineArgs(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device,
                       max_seq_len=args.max_seq_len, backend_options=options,
                       tensor_parallel_size=args.tensor_parallel_size,
+                      pipeline_parallel_size=args.pipeline_parallel_size,
                       enable_expert_parallel=args.enable_expert_parallel, speculative=args.speculative_config)
 
 

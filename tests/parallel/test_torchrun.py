@@ -21,8 +21,9 @@ SCRIPT = textwrap.dedent("""
     from pocketllm import LLM, EngineArgs, SamplingParams
 
     model, out, size, layout = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    llm = LLM(EngineArgs(model=model, max_seq_len=128, tensor_parallel_size=size,
-                         enable_expert_parallel=layout == "expert", backend_options={"enable_batching": True}))
+    sizes = {"pipeline_parallel_size": size} if layout == "pipeline" else {"tensor_parallel_size": size}
+    llm = LLM(EngineArgs(model=model, max_seq_len=128, enable_expert_parallel=layout == "expert",
+                         backend_options={"enable_batching": True}, **sizes))
     # only rank 0 gets here: the other ranks served it inside LLM(...) and exited when it closed
     results = llm.generate(json.loads(sys.argv[5]), [SamplingParams(**p) for p in json.loads(sys.argv[6])])
     llm.close()
@@ -78,9 +79,10 @@ def test_two_torchrun_hosts_give_the_bits_of_one_process(checkpoint_dir, tmp_pat
 
 
 @pytest.mark.slow  # four ranks on two cores, each its own interpreter
-@pytest.mark.parametrize("variant,layout", [("tiny", "tensor"), ("qwen3-moe", "expert")])
+@pytest.mark.parametrize("variant,layout", [("tiny", "tensor"), ("qwen3-moe", "expert"), ("qwen3.5", "pipeline")])
 def test_two_torchrun_hosts_of_two_ranks_give_the_bits_of_one_process(checkpoint_dir, tmp_path, variant, layout):
-    """TP=4 (EP=4 on the mixture of experts) as two ranks on each of two "hosts"."""
+    """TP=4 (EP=4 on the mixture of experts; four pipeline stages on the hybrid) as two ranks on each of
+    two "hosts"."""
     model = checkpoint_dir(variant)
     assert _two_hosts(tmp_path, model, per_host=2, layout=layout) == _one_process(model)
 

@@ -74,13 +74,14 @@ def test_a_host_not_of_this_machine_is_one_line_and_status_2(serve_checkpoint, n
 
 
 def test_the_engine_options_reach_the_engine_arguments(serve_checkpoint):
-    """vLLM's spellings: --tensor-parallel-size and --enable-expert-parallel (off unless given)."""
+    """vLLM's spellings: --tensor-parallel-size, --pipeline-parallel-size and --enable-expert-parallel
+    (off unless given)."""
     from pocketllm.cli import build_parser
     from pocketllm.serve.cli import engine_args
 
     args = build_parser().parse_args(["serve", "--model", str(serve_checkpoint), "--tensor-parallel-size", "2",
-                                      "--enable-expert-parallel"])
+                                      "--enable-expert-parallel", "--pipeline-parallel-size", "3"])
     config = engine_args(args)
-    assert (config.tensor_parallel_size, config.enable_expert_parallel) == (2, True)
+    assert (config.tensor_parallel_size, config.enable_expert_parallel, config.pipeline_parallel_size) == (2, True, 3)
     default = engine_args(build_parser().parse_args(["serve", "--model", str(serve_checkpoint)]))
     assert not default.enable_expert_parallel
