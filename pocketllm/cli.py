@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stream", action="store_true", help="print each token as it is sampled")
     gen.add_argument("--tensor-parallel-size", type=int, default=1, help="shard the model over this many processes")
     gen.add_argument("--pipeline-parallel-size", type=int, default=1,
-                       help="give each of this many processes a block of consecutive layers")
+                     help="give each of this many processes a block of consecutive layers")
     gen.add_argument("--enable-expert-parallel", action="store_true",
                      help="mixture-of-experts models: each process holds whole experts (the same bits either way)")
     gen.set_defaults(func=cmd_generate)
