@@ -60,7 +60,7 @@ class EngineArgs:
     CPU's bf16 dot-product instruction (its software form, with the same bits, on CPUs without it);
     "widen" widens each weight to fp32 exactly and keeps the rows fp32, so the engine computes bit for
     bit what an fp32 engine computes on the checkpoint's matrices rounded to bf16. Both keep every
-    invariance promise; the experts of MoE layers widen in both.
+    invariance promise; the experts of MoE layers follow `bf16_product` as the linear layers do.
 
     `enable_expert_parallel` (vLLM's name): above one rank a mixture of experts' ranks hold whole
     experts, a block each, rather than a block of every expert's features; the same bits either way

@@ -17,21 +17,23 @@ def op_table(args: EngineArgs) -> Ops:
     """The op table `args` selects: the one place it is built, so every tensor-parallel rank runs
     the same ops as rank 0. Weights narrower than the rows (`weight_dtype`) need the ops that
     multiply them to be the C++ fixed-order kernel (the linear layers on bf16 dot products with
-    `bf16_product="dot"`, the default, unless `op_overrides` names theirs); ValueError naming the field
+    `bf16_product="dot"`, the default, the experts too, unless `op_overrides` names theirs); ValueError naming the field
     otherwise."""
     options = args.options.backend
     overrides = dict(args.op_overrides or {})
     narrow = args.torch_weight_dtype != args.torch_dtype
     if narrow and args.bf16_product == "dot" and load_extension() is not None:
-        for op in ("linear", "prefill_linear"):
+        for op in ("linear", "prefill_linear", "moe"):
             overrides.setdefault(op, "bf16_dot")
     ops = get_ops(args.backend, options.batch_invariant, options.decode_per_row, overrides or None,
                   options.exact_positions)
     if narrow:
         others = [op for op in ("linear", "prefill_linear", "moe")
                   if getattr(ops, op) not in (IMPLEMENTATIONS[op].get(name) for name in FIXED_ORDER + BF16_DOT)]
-        if others or args.device != "cpu":
+        where = [f"backend={args.backend!r}"] * (args.backend != "torch") + [f"device={args.device!r}"] * (
+            args.device != "cpu") + [f"{', '.join(others)} on other implementations"] * bool(others)
+        if where:
             raise ValueError(f"weight_dtype={args.weight_dtype!r} with dtype={args.dtype!r} needs the torch backend's "
                              f"C++ fixed-order kernels on the CPU (exact positions on, a C++ compiler here); this "
-                             f"engine runs {', '.join(others) or 'on a CUDA device'} on other implementations")
+                             f"engine runs {'; '.join(where)}")
     return ops

@@ -28,6 +28,8 @@ process (`models/experts.py`).
   expert's product by the fixed-order C++ kernel of `linear.linear_fixed_order`; for fp32 rows every
   expert in one C++ call (`kernels/cpu/moe.cpp`: the grouping, the products and the SiLU-and-multiply
   with no Python per expert), the same bits.
+- `moe_bf16_dot` (bf16 experts with `bf16_product="dot"`): `moe_fixed_order`'s one call with every
+  product on bf16 dot products, as `linear.linear_bf16_dot` multiplies (rows rounded to bf16).
 - `moe_triton`: a grouped GEMM, as vLLM's and SGLang's fused MoE, made invariant: (token, rank)
   pairs sorted by expert (stable), each expert's pairs padded to whole BLOCK_M row blocks; one
   kernel computes gate and up of a block (fixed tiles, K in fixed BLOCK_K steps, no split-K) and
@@ -44,7 +46,7 @@ import torch.nn.functional as F
 from ._cases import randn
 from ._tree import tree_sum
 from ._triton import kernel_device_ok, launch_device_type, tl, triton
-from .cpu.extension import load_extension
+from .cpu.extension import load_extension, unavailable_reason
 from .linear import TILES, in_shards, linear_fixed_order, linear_row_invariant
 from .pointwise import elementwise_invariant
 from .silu_and_mul import silu_and_mul_ref
@@ -166,6 +168,24 @@ def moe_fixed_order(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
         experts = module.moe_experts(x, topk_ids.long(), w_gate_up, w_down)
         return combine(experts.view(tokens, top_k, x.shape[1]), topk_weights, x.dtype)
     return combine(experts_by_group(x, topk_ids, w_gate_up, w_down, linear_fixed_order), topk_weights, x.dtype)
+
+
+def moe_bf16_dot(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+                 w_down: torch.Tensor) -> torch.Tensor:
+    """bf16 experts under fp32 rows (`weight_dtype="bfloat16"`, `bf16_product="dot"`): every product
+    as `linear.linear_bf16_dot` computes it (its rows rounded to bf16: the tokens, then the SiLU-and-
+    multiply's output), on the CPU's bf16 dot products, every expert in one C++ call; grouped and
+    combined as the other implementations. RuntimeError where the kernels cannot be built here."""
+    _check(x, topk_ids, topk_weights, w_gate_up, w_down)
+    module = load_extension()
+    if module is None:
+        raise RuntimeError(f"moe 'bf16_dot' needs pocketllm's C++ CPU kernels: {unavailable_reason()}")
+    if x.dtype != torch.float32 or w_gate_up.dtype != torch.bfloat16 or w_down.dtype != torch.bfloat16:
+        raise ValueError(f"moe 'bf16_dot' takes fp32 x and bf16 experts, got {x.dtype}, {w_gate_up.dtype}, "
+                         f"{w_down.dtype}")
+    tokens, top_k = topk_ids.shape
+    experts = module.moe_experts(x, topk_ids.long(), w_gate_up, w_down, True)
+    return combine(experts.view(tokens, top_k, x.shape[1]), topk_weights, x.dtype)
 
 
 # -- Triton ------------------------------------------------------------------------------------------
@@ -394,5 +414,5 @@ CASES = Layout(_tokens, None, _shared, [
     for members in _MEMBERS])
 
 OP = OpSpec("moe", Moe, {"ref": moe_ref, "row_invariant": moe_row_invariant, "fixed_order": moe_fixed_order,
-                         "triton": moe_triton},
+                         "bf16_dot": moe_bf16_dot, "triton": moe_triton},
             order=55, cases=CASES, launches=_launches, cost=_cost)

@@ -71,16 +71,16 @@ class Verdict:
 
 def check_kernel(op: str, impl: ImplSpec, vs: Iterable[ImplSpec] = (), device: torch.device | str = "cpu",
                  dtypes: tuple[torch.dtype, ...] | None = None, cases: list[Case] | None = None,
-                 invariance: bool = True) -> Verdict:
+                 invariance: bool = True, ref: ImplSpec = "ref") -> Verdict:
     """The op-level checks of `impl` (a registered name, "module:function" or a callable): the
-    reference on the case grid (`cases`, default: the op's grid in `dtypes`), against every
-    implementation in `vs`, and (with `invariance`) batch and split invariance."""
+    reference (`ref`, default the op's own) on the case grid (`cases`, default: the op's grid in
+    `dtypes`), against every implementation in `vs`, and (with `invariance`) batch and split invariance."""
     check_op_name(op)
     fn = under_test(op, impl)
     if cases is None:
         cases = op_cases(op, dtypes or default_dtypes(device))
     verdict = Verdict(op, describe(impl))
-    ref = IMPLEMENTATIONS[op]["ref"]
+    ref = IMPLEMENTATIONS[op]["ref"] if ref == "ref" else under_test(op, ref)
     others = [(describe(spec), under_test(op, spec)) for spec in vs]
     for dtype in dict.fromkeys(case.dtype for case in cases):
         verdict.findings.append(empty_findings(next(c for c in cases if c.dtype == dtype), fn, ref, device))

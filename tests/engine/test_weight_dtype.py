@@ -23,12 +23,13 @@ from safetensors.torch import load_file, save_file
 from pocketllm import LLM, EngineArgs, SamplingParams
 from pocketllm.kernels.cpu.extension import load_extension
 from pocketllm.kernels.linear import linear_bf16_dot
+from pocketllm.kernels.moe import moe_bf16_dot
 from pocketllm.models.registry import is_matrix
 from pocketllm.testing import Engines, assert_batch_invariant, assert_scoring_matches_generation
 from pocketllm.testing.strategies import workloads
 
 pytestmark = pytest.mark.skipif(load_extension() is None, reason="needs pocketllm's C++ CPU kernels")
-VARIANTS = ["tiny", "qwen3.5_mm_untied"]
+VARIANTS = ["tiny", "qwen3.5_mm_untied", "qwen3-moe"]
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
@@ -92,6 +93,7 @@ def test_bf16_dot_products_are_the_default_exact_along_the_sequence_and_near_wid
     path, _ = checkpoints
     dot = _engine(path, weight_dtype="bfloat16")
     assert dot.model.ops.linear is linear_bf16_dot and dot.model.ops.prefill_linear is linear_bf16_dot
+    assert dot.model.ops.moe is moe_bf16_dot  # the experts on the dot products too
     assert dot.tree_reduction  # the kernel sums its shards itself: the tree is free at one process too
     params = SamplingParams(max_tokens=10, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
     assert_scoring_matches_generation(dot, [[1, 2, 3], list(range(7, 60))], params)
@@ -108,9 +110,8 @@ def test_bf16_dot_products_are_the_default_exact_along_the_sequence_and_near_wid
     ({"weight_dtype": "bfloat16", "backend_options": {"exact_positions": False}, "bf16_product": "widen"},
      "weight_dtype='bfloat16' with dtype='float32' needs the torch backend's C\\+\\+ fixed-order kernels.*linear, "
      "prefill_linear, moe"),
-    ({"weight_dtype": "bfloat16", "backend_options": {"exact_positions": False}},  # bf16 dot products: the experts
-     "weight_dtype='bfloat16' with dtype='float32' needs the torch backend's C\\+\\+ fixed-order kernels.*runs moe "),
-    ({"weight_dtype": "bfloat16", "backend": "triton"}, "needs the torch backend's C\\+\\+ fixed-order kernels"),
+    ({"weight_dtype": "bfloat16", "backend": "triton"},
+     "needs the torch backend's C\\+\\+ fixed-order kernels.*runs backend='triton'"),
     ({"weight_dtype": "bfloat16", "bf16_product": "amx"}, "bf16_product must be one of \\('dot', 'widen'\\)"),
 ])
 def test_configurations_that_cannot_run_bf16_weights_are_refused(tiny_checkpoint, args, message):

@@ -3,7 +3,8 @@ case grid: against the reference within the one tolerance table, and (for the im
 invariant engine runs, and any `--impl` under test) each member bitwise the same alone and in any
 batch, and prefill pieces bitwise the same as one piece. Interpreted Triton kernels run in fp32 on
 every other case (the interpreter is slow; each op's tests/kernels/test_<op>.py covers them further).
-The products of bf16 weights run on the fp32 grid rounded to bf16 values (`BF16_WEIGHTS`)."""
+The products of bf16 weights run on the fp32 grid rounded to bf16 values (`BF16_WEIGHTS`), the
+experts against a reference that rounds every product's rows to bf16 as the dot products do."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from kernel_impls import DEVICE, UNDER_TEST
 
 from pocketllm.kernels import backend_impls
+from pocketllm.kernels.moe import combine, experts_by_group
 from pocketllm.kernels.registry import IMPLEMENTATIONS, OP_NAMES
 from pocketllm.lab.check import check_kernel, default_dtypes
 from pocketllm.testing.cases import Case, op_cases
@@ -44,10 +47,24 @@ def _bf16_valued(case: Case) -> Case:
                                members=[dataclasses.replace(m, tokens=rounded(m.tokens)) for m in case.members])
 
 
-def _with_bf16_weight(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def _with_bf16_weight(op: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`fn` with its weights handed over in bf16: the linear's matrix, the experts' two."""
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return fn(x, weight.bfloat16(), bias)
-    return linear
+
+    def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+            w_down: torch.Tensor) -> torch.Tensor:
+        return fn(x, topk_ids, topk_weights, w_gate_up.bfloat16(), w_down.bfloat16())
+    return moe if op == "moe" else linear
+
+
+def _experts_on_bf16_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                          w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """The experts' reference with every product's rows rounded to bf16, as the dot products take
+    them: the SiLU-and-multiply's output is a product's rows too, so bf16 values in do not keep it exact."""
+    def product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(rows.bfloat16().float(), weight.float())
+    return combine(experts_by_group(x, topk_ids, w_gate_up, w_down, product), topk_weights, x.dtype)
 
 
 # Triton kernels that launch under the interpreter here; the costliest grid runs under `slow`.
@@ -65,9 +82,10 @@ def test_implementation_passes_the_op_checks(op, impl):
     spec: str | Callable[..., torch.Tensor] = impl
     if impl in BF16_WEIGHTS:
         cases = [_bf16_valued(case) for case in cases if case.dtype == torch.float32]
-        spec = _with_bf16_weight(IMPLEMENTATIONS[op][impl])
+        spec = _with_bf16_weight(op, IMPLEMENTATIONS[op][impl])
     invariance = (op, impl) in INVARIANT or impl in BF16_WEIGHTS  # the engine's bf16 weights run them
-    verdict = check_kernel(op, spec, device=DEVICE, cases=cases, invariance=invariance)
+    ref = _experts_on_bf16_rows if impl in BF16_WEIGHTS and op == "moe" else "ref"
+    verdict = check_kernel(op, spec, device=DEVICE, cases=cases, invariance=invariance, ref=ref)
     assert verdict.ok, verdict.table()
 
 

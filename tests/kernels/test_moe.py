@@ -11,6 +11,7 @@ the experts' SwiGLU contributions summed in rank order.
 - `moe_fixed_order`'s one C++ call for every expert (fp32 rows, fp32 or bf16 experts) bitwise the same
   kernel called once per expert (`experts_by_group` over `linear_fixed_order`), and its argument
   errors naming what is wrong;
+- `moe_bf16_dot` (bf16 experts on bf16 dot products) bitwise the dot-product linear per expert;
 - a down matrix in S input-feature shards ([E, S, H, I/S], the tensor- and expert-parallel layout):
   each pair's output is its shards' products summed in the fixed tree, built here by hand, on every
   implementation.
@@ -27,8 +28,16 @@ from kernel_impls import DEVICE, implementation
 from kernel_tolerances import assert_close
 
 from pocketllm.kernels.cpu.extension import load_extension
-from pocketllm.kernels.linear import linear_fixed_order, linear_row_invariant
-from pocketllm.kernels.moe import combine, experts_by_group, moe_fixed_order, moe_ref, moe_row_invariant, route
+from pocketllm.kernels.linear import linear_bf16_dot, linear_fixed_order, linear_row_invariant
+from pocketllm.kernels.moe import (
+    combine,
+    experts_by_group,
+    moe_bf16_dot,
+    moe_fixed_order,
+    moe_ref,
+    moe_row_invariant,
+    route,
+)
 from pocketllm.kernels.silu_and_mul import silu_and_mul_ref
 
 moe_impl = implementation("moe")
@@ -238,6 +247,25 @@ def test_the_one_call_path_sums_a_sharded_down_matrix_as_the_tree_by_hand(weight
     w_gate_up, w_down = w_gate_up.to(weight_dtype), w_down.to(weight_dtype)
     by_hand = _tree_by_hand(x, ids, w, w_gate_up, w_down, 8, lambda rows, weight: linear_fixed_order(rows, weight))
     assert torch.equal(moe_fixed_order(x, ids, w, w_gate_up, _in_shards(w_down, 8)), by_hand)
+
+
+@pytest.mark.skipif(load_extension() is None, reason="pocketllm's C++ CPU kernels cannot be built here")
+@pytest.mark.parametrize("shards", [1, 8])
+@pytest.mark.parametrize("tokens", [1, 5, 23])
+def test_bf16_dot_experts_are_the_dot_product_per_expert(tokens, shards):
+    """`moe_bf16_dot`'s one C++ call: bitwise the bf16 dot-product linear called per expert (and per
+    shard, summed in the tree), rows below and above the kernel's packed tiles; each row's bits the
+    same in any prefix of the batch; within bf16's rounding of the fp32 reference."""
+    x, ids, w, w_gate_up, w_down = (a.cpu() for a in _case(tokens, 8, 2, 40, 48, torch.float32, seed=tokens))
+    w_gate_up, w_down = w_gate_up.bfloat16(), w_down.bfloat16()
+    down = w_down if shards == 1 else _in_shards(w_down, shards)
+    out = moe_bf16_dot(x, ids, w, w_gate_up, down)
+    by_hand = _tree_by_hand(x, ids, w, w_gate_up, w_down, shards, lambda rows, weight: linear_bf16_dot(rows, weight))
+    assert torch.equal(out, by_hand)
+    assert torch.equal(moe_bf16_dot(x[:1], ids[:1], w[:1], w_gate_up, down), out[:1])
+    torch.testing.assert_close(out, moe_ref(x, ids, w, w_gate_up.float(), w_down.float()), atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="moe 'bf16_dot' takes fp32 x and bf16 experts"):
+        moe_bf16_dot(x, ids, w, w_gate_up.float(), w_down.float())
 
 
 @pytest.mark.skipif(load_extension() is None, reason="pocketllm's C++ CPU kernels cannot be built here")

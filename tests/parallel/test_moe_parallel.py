@@ -151,6 +151,17 @@ def test_with_default_options_one_process_and_both_layouts_give_the_same_bits(ch
     assert 0 < expert_bytes < tensor_bytes
 
 
+def test_bf16_experts_on_dot_products_give_one_process_bits_split_whole(checkpoint_dir):
+    """bf16 weights (the experts on bf16 dot products, their down matrices' shards summed by the dot
+    kernel's own tree): EP=2 batched equals one process serial."""
+    engines = Engines(checkpoint_dir("qwen3-moe"), max_seq_len=MAX_SEQ_LEN, batched_args=LAYOUTS["expert"],
+                      engine_args={"weight_dtype": "bfloat16"}, **OPTIONS)
+    try:
+        assert_batch_invariant(engines, Workload(tuple(_fixed_jobs(3)), 2))
+    finally:
+        engines.close()
+
+
 def test_sizes_the_experts_do_not_divide_are_refused_naming_the_field(checkpoint_dir):
     path = checkpoint_dir("qwen3.5-moe_mm_per_expert")  # 6 experts of width 32
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 must divide num_experts=6 "

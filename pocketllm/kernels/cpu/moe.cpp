@@ -15,11 +15,26 @@
 
 void linear_into(const float* x, int64_t ldx, int64_t M, int64_t K, const at::Tensor& weight, float* y);  // linear.cpp
 at::Tensor linear_shards(at::Tensor x, std::vector<at::Tensor> shards, const std::string& variant);  // linear.cpp
+at::Tensor linear_bf16_dot(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias,
+                           const std::string& variant);  // linear.cpp
+at::Tensor linear_bf16_dot_shards(at::Tensor x, std::vector<at::Tensor> shards, const std::string& variant);
 void silu_and_mul_into(const float* gate_up, int64_t rows, int64_t inter, int64_t stride, float* out);  // rows.cpp
 
+// The product of `n` rows at `rows` (a contiguous [>= n, K] tensor) and `weight` [N, K] into y [n, N]:
+// linear.cpp's fixed order, or with `dot` its bf16 dot products (rows rounded to bf16, as `linear_bf16_dot`).
+static void product(const at::Tensor& rows, int64_t n, const at::Tensor& weight, bool dot, float* y) {
+  if (!dot) {
+    linear_into(rows.data_ptr<float>(), rows.size(1), n, rows.size(1), weight, y);
+    return;
+  }
+  const at::Tensor out = linear_bf16_dot(rows.narrow(0, 0, n), weight, c10::nullopt, "");
+  std::memcpy(y, out.data_ptr<float>(), size_t(out.numel()) * sizeof(float));
+}
+
 // x [T, H] fp32; topk_ids [T, K] int64; w_gate_up [E, 2I, H] (gate rows, then up), w_down [E, H, I]
-// or [E, S, H, I/S] (S shards of I), both fp32 or both bf16 -> [T * K, H]: row t * K + k is expert topk_ids[t, k]'s output for token t.
-at::Tensor moe_experts(at::Tensor x, at::Tensor topk_ids, at::Tensor w_gate_up, at::Tensor w_down) {
+// or [E, S, H, I/S] (S shards of I), both fp32 or both bf16 -> [T * K, H]: row t * K + k is expert
+// topk_ids[t, k]'s output for token t. `dot` (bf16 experts): every product on bf16 dot products.
+at::Tensor moe_experts(at::Tensor x, at::Tensor topk_ids, at::Tensor w_gate_up, at::Tensor w_down, bool dot) {
   TORCH_CHECK_VALUE(x.dtype() == at::kFloat && x.dim() == 2 && x.device().is_cpu(), "x must be fp32 [T, H] on the CPU");
   TORCH_CHECK_VALUE(topk_ids.dtype() == at::kLong && topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0),
                     "topk_ids must be int64 [T, K]");
@@ -27,6 +42,7 @@ at::Tensor moe_experts(at::Tensor x, at::Tensor topk_ids, at::Tensor w_gate_up, 
   TORCH_CHECK_VALUE(w_gate_up.dim() == 3 && (w_down.dim() == 3 || sharded) && w_gate_up.dtype() == w_down.dtype() &&
                         (w_gate_up.dtype() == at::kFloat || w_gate_up.dtype() == at::kBFloat16),
                     "w_gate_up [E, 2I, H] and w_down [E, H, I] or [E, S, H, I/S] must be both fp32 or both bf16");
+  TORCH_CHECK_VALUE(!dot || w_gate_up.dtype() == at::kBFloat16, "bf16 dot products take bf16 experts");
   const int64_t tokens = x.size(0), top_k = topk_ids.size(1), hidden = x.size(1);
   const int64_t experts = w_gate_up.size(0), inter = w_gate_up.size(1) / 2, pairs = tokens * top_k;
   const int64_t shards = sharded ? w_down.size(1) : 1;
@@ -63,13 +79,15 @@ at::Tensor moe_experts(at::Tensor x, at::Tensor topk_ids, at::Tensor w_gate_up, 
     if (n == 0) continue;
     const int64_t* chosen = order.data() + start[e];
     for (int64_t r = 0; r < n; ++r) std::memcpy(rp + r * hidden, xp + chosen[r] / top_k * hidden, row_bytes);
-    linear_into(rp, hidden, n, hidden, w_gate_up[e], gp);
+    product(rows, n, w_gate_up[e], dot, gp);
     silu_and_mul_into(gp, n, inter, 2 * inter, hp);
     if (sharded) {
-      const at::Tensor summed = linear_shards(hidden_rows.narrow(0, 0, n), w_down[e].unbind(0), "");
+      const at::Tensor h = hidden_rows.narrow(0, 0, n);
+      const at::Tensor summed = dot ? linear_bf16_dot_shards(h, w_down[e].unbind(0), "")
+                                    : linear_shards(h, w_down[e].unbind(0), "");
       std::memcpy(dp, summed.data_ptr<float>(), size_t(n) * row_bytes);
     } else {
-      linear_into(hp, inter, n, inter, w_down[e], dp);
+      product(hidden_rows, n, w_down[e], dot, dp);
     }
     for (int64_t r = 0; r < n; ++r) std::memcpy(yp + chosen[r] * hidden, dp + r * hidden, row_bytes);
   }
@@ -77,5 +95,7 @@ at::Tensor moe_experts(at::Tensor x, at::Tensor topk_ids, at::Tensor w_gate_up, 
 }
 
 void register_moe(pybind11::module& m) {
-  m.def("moe_experts", &moe_experts, "every (token, rank) pair's expert output, each product in linear.cpp's order");
+  m.def("moe_experts", &moe_experts, "every (token, rank) pair's expert output, each product in linear.cpp's order",
+        pybind11::arg("x"), pybind11::arg("topk_ids"), pybind11::arg("w_gate_up"), pybind11::arg("w_down"),
+        pybind11::arg("dot") = false);
 }
