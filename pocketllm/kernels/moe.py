@@ -4,10 +4,7 @@ weighted and summed (Qwen3-MoE, Qwen3.5-MoE).
     moe(x [T, H], topk_ids [T, K] int64, topk_weights [T, K] fp32,
         w_gate_up [E, 2I, H] (gate rows first, then up), w_down [E, H, I] or [E, S, H, I/S]) -> [T, H]
 
-`route` turns router logits into (topk_ids, topk_weights): softmax over the experts in fp32, the
-K largest probabilities with ties broken by the lower expert index (a stable sort on
-(-probability, index)), optionally renormalised to sum to one (`norm_topk_prob`). Rank k = 0 is
-the most probable expert.
+The routing that makes (topk_ids, topk_weights) from router logits is `moe_routing.route`.
 
 What a token's output is, whatever else is in the call (every implementation): its rank-k
 contribution is y_k = down_e(silu(gate_e(x)) * up_e(x)) with e = topk_ids[t, k], the products and
@@ -48,7 +45,7 @@ from ._tree import tree_sum
 from ._triton import kernel_device_ok, launch_device_type, tl, triton
 from .cpu.extension import load_extension, unavailable_reason
 from .linear import TILES, in_shards, linear_fixed_order, linear_row_invariant
-from .pointwise import elementwise_invariant
+from .moe_routing import route
 from .silu_and_mul import silu_and_mul_ref
 from .spec import Call, Cost, Layout, OpSpec, Step, size
 
@@ -59,35 +56,6 @@ class Moe(Protocol):
 
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor: ...
-
-
-def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (topk_ids [T, K] int64, topk_weights [T, K] fp32), rank 0 first.
-
-    Softmax in fp32 (exp per element by one code path, the row sum in a fixed column order), the
-    top K by a stable descending sort, so equal probabilities rank by the lower expert index; with
-    `normalize`, the K weights divided by their sum (added in rank order). Every step is per row,
-    so a token's routing depends only on its own logits."""
-    logits = router_logits.float()
-    shifted = logits - logits.max(dim=-1, keepdim=True).values
-    exp = elementwise_invariant(torch.exp, shifted)
-    total = exp[:, :1].clone()
-    for j in range(1, exp.shape[1]):
-        total = total + exp[:, j:j + 1]
-    probs = exp / total
-    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
-    weights, ids = weights[:, :top_k], ids[:, :top_k]
-    if normalize:
-        weights = weights / _sum_columns(weights)
-    return ids, weights
-
-
-def _sum_columns(values: torch.Tensor) -> torch.Tensor:
-    """[T, K] -> [T, 1]: the K columns added left to right."""
-    total = values[:, :1].clone()
-    for k in range(1, values.shape[1]):
-        total = total + values[:, k:k + 1]
-    return total
 
 
 def combine(contributions: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -161,30 +129,32 @@ def moe_fixed_order(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     """Each expert's product by the C++ fixed-order kernel (RuntimeError where it cannot be built): fp32
     rows on the CPU in one call for all experts, other dtypes one call of the kernel per expert."""
     _check(x, topk_ids, topk_weights, w_gate_up, w_down)
-    module = load_extension()
-    if module is not None and x.dtype == torch.float32 and x.device.type == "cpu" \
-            and w_gate_up.dtype == w_down.dtype and w_down.dtype in (torch.float32, torch.bfloat16):
-        tokens, top_k = topk_ids.shape
-        experts = module.moe_experts(x, topk_ids.long(), w_gate_up, w_down)
-        return combine(experts.view(tokens, top_k, x.shape[1]), topk_weights, x.dtype)
+    if x.dtype == torch.float32 and x.device.type == "cpu" and w_gate_up.dtype == w_down.dtype \
+            and w_down.dtype in (torch.float32, torch.bfloat16) and load_extension() is not None:
+        return _one_call(x, topk_ids, topk_weights, w_gate_up, w_down, dot=False)
     return combine(experts_by_group(x, topk_ids, w_gate_up, w_down, linear_fixed_order), topk_weights, x.dtype)
 
 
 def moe_bf16_dot(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
                  w_down: torch.Tensor) -> torch.Tensor:
-    """bf16 experts under fp32 rows (`weight_dtype="bfloat16"`, `bf16_product="dot"`): every product
-    as `linear.linear_bf16_dot` computes it (its rows rounded to bf16: the tokens, then the SiLU-and-
-    multiply's output), on the CPU's bf16 dot products, every expert in one C++ call; grouped and
-    combined as the other implementations. RuntimeError where the kernels cannot be built here."""
+    """bf16 experts under fp32 rows (`bf16_product="dot"`): `moe_fixed_order`'s one call with every
+    product as `linear.linear_bf16_dot` computes it (its rows rounded to bf16: the tokens, then the
+    SiLU-and-multiply's output). RuntimeError where the C++ kernels cannot be built here."""
     _check(x, topk_ids, topk_weights, w_gate_up, w_down)
-    module = load_extension()
-    if module is None:
-        raise RuntimeError(f"moe 'bf16_dot' needs pocketllm's C++ CPU kernels: {unavailable_reason()}")
     if x.dtype != torch.float32 or w_gate_up.dtype != torch.bfloat16 or w_down.dtype != torch.bfloat16:
         raise ValueError(f"moe 'bf16_dot' takes fp32 x and bf16 experts, got {x.dtype}, {w_gate_up.dtype}, "
                          f"{w_down.dtype}")
+    return _one_call(x, topk_ids, topk_weights, w_gate_up, w_down, dot=True)
+
+
+def _one_call(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+              w_down: torch.Tensor, dot: bool) -> torch.Tensor:
+    """Every expert in one C++ call (`kernels/cpu/moe.cpp`), combined in rank order."""
+    module = load_extension()
+    if module is None:
+        raise RuntimeError(f"moe's one C++ call needs pocketllm's C++ CPU kernels: {unavailable_reason()}")
     tokens, top_k = topk_ids.shape
-    experts = module.moe_experts(x, topk_ids.long(), w_gate_up, w_down, True)
+    experts = module.moe_experts(x, topk_ids.long(), w_gate_up, w_down, dot)
     return combine(experts.view(tokens, top_k, x.shape[1]), topk_weights, x.dtype)
 
 

@@ -2,7 +2,7 @@
 Qwen3.5-MoE), and the two checkpoint layouts of its experts.
 
 `SparseMoe` (a `layers.FeedForward`): router logits through `ops.linear`, routing by
-`kernels.moe.route` (softmax in fp32, top-k with ties broken by the lower expert index, optionally
+`kernels.moe_routing.route` (softmax in fp32, top-k with ties broken by the lower expert index, optionally
 renormalised), the experts through the op `moe` (contributions summed in rank order, see
 `kernels/moe.py`; split over tensor-parallel ranks as `experts.py` says), plus, where the config
 has one, the shared expert, a SwiGLU scaled by sigmoid(shared_expert_gate(x)) and added after the
@@ -27,7 +27,7 @@ from safetensors import safe_open
 
 from ..config import ModelConfig
 from ..kernels import Ops
-from ..kernels.moe import route
+from ..kernels.moe_routing import route
 from ..kernels.pointwise import elementwise_invariant
 from ..parallel.group import SINGLE, TensorParallel
 from .experts import Experts

@@ -36,8 +36,8 @@ from pocketllm.kernels.moe import (
     moe_fixed_order,
     moe_ref,
     moe_row_invariant,
-    route,
 )
+from pocketllm.kernels.moe_routing import route
 from pocketllm.kernels.silu_and_mul import silu_and_mul_ref
 
 moe_impl = implementation("moe")
@@ -139,6 +139,7 @@ def _case(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype,
     return (x, ids.to(x.device), w.to(x.device), *weights(experts, hidden, inter, seed + 1, dtype))
 
 
+PACKED_ROWS = 16  # linear.cpp's PANEL_MIN_ROWS: from this many rows an expert's product runs the packed tiles
 SHAPES = [(1, 4, 1, 24, 16), (11, 8, 2, 40, 24), (19, 16, 8, 33, 17), (5, 3, 3, 20, 12)]
 
 
@@ -238,12 +239,13 @@ def test_every_implementation_takes_a_sharded_down_matrix(impl):
 
 @pytest.mark.skipif(load_extension() is None, reason="pocketllm's C++ CPU kernels cannot be built here")
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("tokens", [3, 21])
+@pytest.mark.parametrize("tokens", [3, 21, 72])
 def test_the_one_call_path_sums_a_sharded_down_matrix_as_the_tree_by_hand(weight_dtype, tokens):
     """The C++ call on 8 shards: the fixed-order kernel per shard, summed in the tree in Python
-    (a wrapper, so that nothing takes the kernel's own shard sum), bit for bit; rows below and
-    above the kernel's packed tiles."""
+    (a wrapper, so that nothing takes the kernel's own shard sum), bit for bit; experts of rows below
+    and (72 tokens) above the kernel's packed tiles, whose shard products are summed apart."""
     x, ids, w, w_gate_up, w_down = (a.cpu() for a in _case(tokens, 8, 2, 40, 48, torch.float32, seed=tokens))
+    assert (torch.bincount(ids.flatten()).max() >= PACKED_ROWS) == (tokens == 72)
     w_gate_up, w_down = w_gate_up.to(weight_dtype), w_down.to(weight_dtype)
     by_hand = _tree_by_hand(x, ids, w, w_gate_up, w_down, 8, lambda rows, weight: linear_fixed_order(rows, weight))
     assert torch.equal(moe_fixed_order(x, ids, w, w_gate_up, _in_shards(w_down, 8)), by_hand)
@@ -251,7 +253,7 @@ def test_the_one_call_path_sums_a_sharded_down_matrix_as_the_tree_by_hand(weight
 
 @pytest.mark.skipif(load_extension() is None, reason="pocketllm's C++ CPU kernels cannot be built here")
 @pytest.mark.parametrize("shards", [1, 8])
-@pytest.mark.parametrize("tokens", [1, 5, 23])
+@pytest.mark.parametrize("tokens", [1, 5, 23, 72])
 def test_bf16_dot_experts_are_the_dot_product_per_expert(tokens, shards):
     """`moe_bf16_dot`'s one C++ call: bitwise the bf16 dot-product linear called per expert (and per
     shard, summed in the tree), rows below and above the kernel's packed tiles; each row's bits the
