@@ -28,7 +28,8 @@ def test_kernel_bench_smoke_writes_report(tmp_path):
             assert "replay must be None" in row["note"], row
             continue
         if row["impl"].startswith("bf16_dot"):  # bf16 weights only: the launch shapes' fp32 ones refused by name
-            assert "takes fp32 x and bias and a bf16 weight" in row["note"], row
+            assert ("takes fp32 x and bias and a bf16 weight" in row["note"]  # the linear layers
+                    or "takes fp32 x and bf16 experts" in row["note"]), row  # the experts
             continue
         assert row["time_us"] > 0 and row["bytes"] > 0 and row["bound_us"] > 0, row
         if row["impl"] == "triton":

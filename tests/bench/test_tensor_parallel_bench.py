@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from pocketllm.bench import main
 
 
+@pytest.mark.slow
 def test_tensor_parallel_quick_writes_report(tmp_path: Path) -> None:
     assert main(["--tensor-parallel", "--quick", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "tensor_parallel.json").read_text())

@@ -87,6 +87,7 @@ sequences = st.integers(2, 90).flatmap(lambda n: st.tuples(
     st.lists(st.integers(1, n - 1), max_size=4, unique=True).map(sorted)))
 
 
+@pytest.mark.slow
 @settings(max_examples=budget(0.3))
 @given(case=sequences)
 def test_positions_are_exact_on_the_torch_backend_at_a_realistic_width(wide_checkpoint, case):
@@ -95,6 +96,7 @@ def test_positions_are_exact_on_the_torch_backend_at_a_realistic_width(wide_chec
     assert _mismatch(llm, tokens, cuts) is None
 
 
+@pytest.mark.slow
 @settings(max_examples=budget(0.1))
 @given(case=st.integers(2, 12).flatmap(lambda n: st.tuples(
     st.lists(st.integers(0, 255), min_size=n, max_size=n),
@@ -200,6 +202,7 @@ def test_generated_logprobs_equal_the_scores_of_the_same_sequence(wide_checkpoin
         assert llm.scheduler.get_stats().prefix_hits >= 1
 
 
+@pytest.mark.slow
 def test_triton_generated_logprobs_equal_the_scores(tiny_checkpoint):
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
     params = [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3),

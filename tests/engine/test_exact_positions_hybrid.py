@@ -80,6 +80,7 @@ def test_hybrid_positions_are_exact_on_the_torch_backend(checkpoint_dir, gdn, ca
     assert _mismatch(_cached_engine(checkpoint_dir("qwen3.5"), "torch", gdn), tokens, cuts) is None
 
 
+@pytest.mark.slow
 @settings(max_examples=budget(0.2), deadline=None)
 @given(case=sequences)
 def test_hybrid_positions_are_exact_on_the_torch_backend_at_a_realistic_width(wide_hybrid, case):

@@ -108,6 +108,7 @@ REALISTIC = [("small", {}), ("qwen3.5-small", {}), ("small", {"exact_positions":
              ("small", {"decode_per_row": True})]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset,strategy", REALISTIC)
 def test_batched_equals_serial_at_realistic_width(tmp_path, preset, strategy):
     """The contract at the widths of the benchmark presets (hidden 512, vocabulary 32000), where
@@ -180,6 +181,7 @@ def triton_engines(request, checkpoint_dir):
     engines.close()
 
 
+@pytest.mark.slow
 @settings(max_examples=TRITON_EXAMPLES)
 @given(workload=workloads_of(VOCAB, max_prompt=16, max_jobs=4, max_tokens=6))
 def test_triton_backend_batched_equals_serial_bitwise(triton_engines, workload):

@@ -42,6 +42,7 @@ def _counts(path, mode: str) -> list[int]:
     return [int(n) for n in out.stdout.split()]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_openmp_pause() is None, reason="torch runs on another OpenMP runtime than GNU OpenMP here")
 def test_a_caller_waiting_for_the_scheduler_thread_lets_its_idle_team_go(tiny_checkpoint):
     before, with_team, after = _counts(tiny_checkpoint, "release")

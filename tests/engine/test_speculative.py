@@ -185,6 +185,7 @@ def test_speculation_changes_nothing_with_logits_controls_serial_and_batched(tin
             assert stats.decode_batches < stats.generated_tokens - len(PROMPTS)  # steps were saved
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("variant", "args"), [
     ("qwen3-moe", {}),
     ("qwen3.5-moe", {}),

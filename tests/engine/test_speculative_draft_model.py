@@ -33,6 +33,7 @@ def engines(request, checkpoint_dir):
     engines.close()
 
 
+@pytest.mark.slow
 @settings(max_examples=budget(0.5))
 @given(workload=speculation_workloads(VOCAB, max_prompt=100, max_jobs=5, max_tokens=16))
 def test_draft_model_speculation_equals_plain_cold_serial_bitwise(engines, workload):

@@ -115,6 +115,7 @@ def engines(request, mtp_checkpoints):
     engines.close()
 
 
+@pytest.mark.slow
 @settings(max_examples=budget(0.5))
 @given(workload=speculation_workloads(VOCAB, max_prompt=100, max_jobs=5, max_tokens=16))
 def test_mtp_speculation_equals_plain_cold_serial_bitwise(engines, workload):

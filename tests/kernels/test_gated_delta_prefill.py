@@ -145,6 +145,7 @@ def _check_prefill_matches(heads, dtype, lengths, starts, device=DEVICE, seed=0)
 _SLOW_ON_CPU = [] if torch.cuda.is_available() else [pytest.mark.slow]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("heads,dtype", [pytest.param(h, torch.float32, marks=_SLOW_ON_CPU if i in (1, 2) else [])
                                          for i, h in enumerate(HEADS)]
                          + [pytest.param(HEADS[1], torch.float16, marks=_SLOW_ON_CPU)])
@@ -171,6 +172,7 @@ def _check_prefill_batch_invariance(heads, dtype, lengths, starts, device=DEVICE
         lo += length
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.float16, marks=_SLOW_ON_CPU)])
 def test_prefill_batch_invariance(dtype):
     """A sequence's prefill outputs and final state are bitwise the same alone and in a batch."""
@@ -200,12 +202,14 @@ def _check_split_invariance(heads, dtype, start, length, cuts, device=DEVICE, se
     assert torch.equal(states[1], whole_states[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.float16, marks=_SLOW_ON_CPU)])
 def test_prefill_split_at_chunk_boundaries(dtype):
     """A prompt cut at absolute positions 64 and 128 gives bitwise the outputs and state of one piece."""
     _check_split_invariance(HEADS[1], dtype, start=10, length=150, cuts=[64, 128])
 
 
+@pytest.mark.slow
 @settings(deadline=None, max_examples=budget(0.2))
 @given(start=st.integers(0, 150), length=st.integers(2, 140), cut_chunks=st.sets(st.integers(1, 4), min_size=1))
 def test_prefill_split_invariance_property(start, length, cut_chunks):

@@ -67,9 +67,11 @@ def _experts_on_bf16_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     return combine(experts_by_group(x, topk_ids, w_gate_up, w_down, product), topk_weights, x.dtype)
 
 
-# Triton kernels that launch under the interpreter here; the costliest grid runs under `slow`.
+# Triton kernels that launch under the interpreter here; the costliest grids (5-15 s each on a 2-core
+# CPU) run under `slow`, the cheaper ones in the default suite.
 INTERPRETED = ("triton", "split_kv", UNDER_TEST)
-SLOW = {("gated_delta_prefill", "triton")} if DEVICE == "cpu" else set()
+SLOW = {("gated_delta_prefill", "triton"), ("prefill_attention", "triton"), ("moe", "triton"), ("sample", "triton"),
+        ("decode_attention", "triton"), ("decode_attention", "split_kv")} if DEVICE == "cpu" else set()
 
 
 @pytest.mark.parametrize("op, impl", [pytest.param(op, name, marks=[pytest.mark.slow] * ((op, name) in SLOW))

@@ -167,6 +167,7 @@ def _one_vs_two_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: 
     return whole, torch.cat([first, second])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split", [1, 17, 64, 65, 129])
 @pytest.mark.parametrize("head_dim", [24, 128])  # 64-key blocks, 32-key blocks (PREFILL_TILES)

@@ -161,6 +161,7 @@ def test_sampled_rows_match_reference(vocab):
     _check_against_reference(_logits(len(MIXED_ROWS), vocab, seed=vocab + 1), MIXED_ROWS)
 
 
+@pytest.mark.slow
 def test_sampled_rows_match_reference_large_vocab():
     """V = 32003 (not a multiple of the block): plain, and top-k 40 then top-p 0.9."""
     rows = [(1.0, 0, 1.0, 21, 5), (0.8, 40, 0.9, 22, 6)]

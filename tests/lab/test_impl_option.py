@@ -21,6 +21,7 @@ def _pytest(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant, passes", [("lab_variants:silu_and_mul_split", True),
                                              ("lab_variants:silu_and_mul_up_gate_swapped", False)])
 def test_the_kernel_suite_runs_on_the_variant(variant, passes):

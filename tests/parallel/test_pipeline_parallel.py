@@ -56,6 +56,7 @@ def engines(request, checkpoint_dir):
         yield pair
 
 
+@pytest.mark.slow
 @settings(max_examples=budget(0.05))
 @given(workload=prefix_workloads(VOCAB, max_prompt=160, max_jobs=6, max_tokens=10))
 def test_pipelined_batched_equals_one_process_serial_bitwise(engines, workload):

@@ -138,6 +138,7 @@ for block in json.load(open(sys.argv[1])):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", [page for page, counts in PAGES.items() if counts.scripts])
 def test_the_scripts_of_a_page_run_as_written(page, tmp_path):
     blocks = [b for b in _blocks(page) if b.not_run is None and b.pytest_file is None]
@@ -151,6 +152,7 @@ def test_the_scripts_of_a_page_run_as_written(page, tmp_path):
     assert run.returncode == 0, f"{page}'s examples failed:\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", [page for page, counts in PAGES.items() if counts.pytest_files])
 def test_the_pytest_files_of_a_page_run_as_written(pytester, page):
     files = {b.pytest_file: b.code for b in _blocks(page) if b.not_run is None and b.pytest_file}
