@@ -43,7 +43,7 @@ VARIANTS = {"tiny": ("tiny", {}), "qwen3.5": ("qwen3.5", {}),
 
 
 @pytest.fixture(scope="module", params=variant_params(VARIANTS, {"qwen3.5_mm_untied", "qwen3-moe_per_expert",
-                                                               "qwen3.5-moe", "tiny_per_row"}))
+                                                               "qwen3.5-moe", "tiny_per_row", "tiny_mkl_tiles"}))
 def engines(request, checkpoint_dir):
     variant, options = VARIANTS[request.param]
     engines = Engines(checkpoint_dir(variant), max_seq_len=MAX_SEQ_LEN, **options)
@@ -144,6 +144,7 @@ def triton_engines(request, checkpoint_dir):
     engines.close()
 
 
+@pytest.mark.slow
 @settings(max_examples=TRITON_EXAMPLES)
 @given(workload=prefix_workloads(VOCAB, max_prompt=100, max_jobs=3, max_tokens=3))
 def test_triton_backend_chunked_and_reused_equals_cold_serial(triton_engines, workload):

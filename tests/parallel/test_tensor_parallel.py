@@ -190,6 +190,7 @@ def engines(request, checkpoint_dir):
 
 
 # Every example starts no engine (they are the module's), but runs two processes per step: a tenth of the budget.
+@pytest.mark.slow
 @settings(max_examples=budget(0.1))
 @given(workload=prefix_workloads(VOCAB, max_prompt=160, max_jobs=6, max_tokens=10))
 def test_tp2_batched_equals_tp1_serial_bitwise(engines, workload):

@@ -71,6 +71,7 @@ def _one_process(model) -> list:
     return [[r.token_ids, r.logprobs] for r in results]
 
 
+@pytest.mark.slow
 def test_two_torchrun_hosts_give_the_bits_of_one_process(checkpoint_dir, tmp_path):
     """TP=2 as one rank on each of two "hosts" (Gloo over the loopback address), every request's
     tokens and logprobs equal to one process's serial run."""
