@@ -51,9 +51,10 @@ WORKLOADS = {"quick": Workload(2, 8, 4), "full": Workload(8, 64, 32)}
 
 
 def _sent(llm: LLM, prompts: list[list[int]], tokens: int) -> int:
-    """Bytes rank 0 put into collectives during one batched generate of `tokens` per request."""
+    """Bytes rank 0 put into collectives during one batched greedy generate of `tokens` per request
+    (greedy: a sampled token would move the experts' routes, so the bytes, from run to run)."""
     sent = llm.model.tp.sent_bytes  # type: ignore[attr-defined]  # pocketllm's decoder models have one
-    llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
     return llm.model.tp.sent_bytes - sent  # type: ignore[attr-defined]
 
 

@@ -10,6 +10,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -40,6 +41,46 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _recording = False  # see recording_launches
+
+
+def _patch_language_once_per_launch() -> None:
+    """Interpreted, Triton patches its language module again at every call a kernel makes to a
+    `@triton.jit` function (`tl.sum`, `tl.max` and our own helpers are such functions): a scan of
+    the module of about 2 ms that patches nothing new after the first call, and over half of an
+    interpreted engine step. Here a launch patches once per module of the functions it calls; each
+    call then runs the interpreter's rewritten function as before. Where the interpreter's internals
+    are not the ones this was written against (Triton 3.x), nothing is changed."""
+    from triton.runtime import interpreter as module
+
+    interpreter: Any = module
+    names = ("GridExecutor", "InterpretedFunction", "InterpreterError", "_patch_lang")
+    if not all(hasattr(interpreter, name) for name in names) or not hasattr(interpreter.InterpretedFunction, "rewrite"):
+        return
+    launcher, function, error = interpreter.GridExecutor, interpreter.InterpretedFunction, interpreter.InterpreterError
+    launch = launcher.__call__
+    patched: set[int] = set()  # ids of the globals of the functions whose language this launch patched
+
+    def launch_grid(self: Any, *args: Any, **kwargs: Any) -> Any:
+        patched.clear()
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.clear()
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if id(self.fn.__globals__) not in patched:
+            interpreter._patch_lang(self.fn)
+            patched.add(id(self.fn.__globals__))
+        try:
+            return self.rewrite()(*args, **kwargs)
+        except Exception as e:
+            raise error(repr(e)) from e
+
+    launcher.__call__, function.__call__ = launch_grid, call
+
+
+if INTERPRETED and HAS_TRITON:
+    _patch_language_once_per_launch()
 
 
 @contextmanager

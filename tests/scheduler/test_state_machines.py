@@ -145,6 +145,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         with self.mutex:
             return [i for i in self.specs if i not in self.collected]
 
+    def _pick(self, data, among: list[int]) -> int | None:
+        """One of `among` (None if empty), drawn the same way whatever `among` holds: with the thread,
+        which requests are still open depends on timing, and Hypothesis needs every run's draws to
+        follow from its earlier draws alone (else: FlakyStrategyDefinition)."""
+        index = data.draw(st.integers(0, 63))
+        return among[index % len(among)] if among else None
+
     # -- rules ----------------------------------------------------------------------------------
 
     @rule(prompt=prompts, p=params, action=st.sampled_from(CALLBACK_ACTIONS), priority=st.integers(-1, 1),
@@ -158,14 +165,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             wait = 0  # caller-driven, a wait without end steps on this thread: covered by `generate`
         self._submit(prompt, p, action, wait)
 
-    @precondition(lambda self: self._open())
+    @precondition(lambda self: self.background or self._open())  # see _pick
     @rule(data=st.data())
     def cancel(self, data):
-        open_ids = self._open()
-        if open_ids:
-            self.s.cancel_request(data.draw(st.sampled_from(open_ids)))
+        rid = self._pick(data, self._open())
+        if rid is not None:
+            self.s.cancel_request(rid)
 
-    @precondition(lambda self: self._open())
+    @precondition(lambda self: self.background or self._open())  # see _pick
     @rule(data=st.data())
     def preempt(self, data):
         """Caller-driven, one step first, so that a request may be running; with the thread, a
@@ -175,18 +182,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         open_ids = self._open()
         with self.mutex:
             running = [i for i in open_ids if self.pushed[i] and not isinstance(self.pushed[i][-1], GenerationResult)]
-        open_ids = running or open_ids
-        if open_ids:
+        rid = self._pick(data, running or open_ids)
+        if rid is not None:
             with contextlib.suppress(SwapSpaceError):
-                self.s.preempt(data.draw(st.sampled_from(open_ids)))
+                self.s.preempt(rid)
 
-    @precondition(lambda self: self._open())
+    @precondition(lambda self: self.background or self._open())  # see _pick
     @rule(data=st.data(), wait=st.sampled_from([0, None]))
     def poll(self, data, wait):
-        open_ids = self._open()
-        if not open_ids:
+        rid = self._pick(data, self._open())
+        if rid is None:
             return
-        rid = data.draw(st.sampled_from(open_ids))
         try:
             result = self.s.poll_result(rid, timeout_ms=wait)
         except KeyError:  # a callback collected it meanwhile
@@ -196,14 +202,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         if result is not None:
             self._collect(rid, result)
 
-    @precondition(lambda self: self._open())
+    @precondition(lambda self: self.background or self._open())  # see _pick
     @rule(data=st.data(), take=st.one_of(st.none(), st.integers(0, 3)))
     def stream(self, data, take):
         """Pull a request's deltas: all of them and its result, or `take` and leave (which cancels it)."""
-        open_ids = self._open()
-        if not open_ids:
+        rid = self._pick(data, self._open())
+        if rid is None:
             return
-        rid = data.draw(st.sampled_from(open_ids))
         deltas = []
         try:
             for item in self.s.stream(rid):
