@@ -116,8 +116,16 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 
 def token_bytes(llm: LLM) -> int:
-    """Bytes of the matrices every generated token multiplies (lm_head included)."""
-    return sum(w.numel() * w.element_size() for w in llm.model.linear_weights())
+    """Bytes of the matrices every generated token multiplies (lm_head included); of a layer's
+    experts, the num_experts_per_tok of num_experts that a token is routed to."""
+    total = sum(w.numel() * w.element_size() for w in llm.model.linear_weights())
+    config = llm.model_config
+    for block in getattr(llm.model, "blocks", ()):
+        experts = getattr(block.mlp, "experts", None)
+        if experts is not None:
+            every = sum(w.numel() * w.element_size() for w in experts.matrices())
+            total -= every - every * config.num_experts_per_tok // config.num_experts
+    return total
 
 
 def kernel_info() -> dict[str, Any]:
