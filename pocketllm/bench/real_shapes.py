@@ -36,6 +36,7 @@ import torch
 
 from ..config import EngineArgs
 from ..kernels.cpu.extension import load_extension, unavailable_reason
+from ..kernels.spec import size
 from ..llm import LLM
 from ..models import cached_checkpoint
 from ..sampling import SamplingParams
@@ -118,13 +119,12 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 def token_bytes(llm: LLM) -> int:
     """Bytes of the matrices every generated token multiplies (lm_head included); of a layer's
     experts, the num_experts_per_tok of num_experts that a token is routed to."""
-    total = sum(w.numel() * w.element_size() for w in llm.model.linear_weights())
+    total = size(*llm.model.linear_weights())
     config = llm.model_config
     for block in getattr(llm.model, "blocks", ()):
         experts = getattr(block.mlp, "experts", None)
-        if experts is not None:
-            every = sum(w.numel() * w.element_size() for w in experts.matrices())
-            total -= every - every * config.num_experts_per_tok // config.num_experts
+        if experts is not None:  # less the share of them a token is not routed to
+            total -= size(*experts.matrices()) * (config.num_experts - config.num_experts_per_tok) // config.num_experts
     return total
 
 

@@ -62,6 +62,11 @@ class _Reference:
 
 
 REFERENCE = _Reference()
+# The rules that act on an open request: caller-driven, only while one is open; with the thread,
+# always (which are open depends on timing, see SchedulerMachine._pick).
+_something_to_pick = precondition(lambda self: self.background or self._open())
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     background = False
     checkpoint = None  # set by the test
@@ -165,14 +170,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             wait = 0  # caller-driven, a wait without end steps on this thread: covered by `generate`
         self._submit(prompt, p, action, wait)
 
-    @precondition(lambda self: self.background or self._open())  # see _pick
+    @_something_to_pick
     @rule(data=st.data())
     def cancel(self, data):
         rid = self._pick(data, self._open())
         if rid is not None:
             self.s.cancel_request(rid)
 
-    @precondition(lambda self: self.background or self._open())  # see _pick
+    @_something_to_pick
     @rule(data=st.data())
     def preempt(self, data):
         """Caller-driven, one step first, so that a request may be running; with the thread, a
@@ -187,7 +192,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             with contextlib.suppress(SwapSpaceError):
                 self.s.preempt(rid)
 
-    @precondition(lambda self: self.background or self._open())  # see _pick
+    @_something_to_pick
     @rule(data=st.data(), wait=st.sampled_from([0, None]))
     def poll(self, data, wait):
         rid = self._pick(data, self._open())
@@ -202,7 +207,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if result is not None:
             self._collect(rid, result)
 
-    @precondition(lambda self: self.background or self._open())  # see _pick
+    @_something_to_pick
     @rule(data=st.data(), take=st.one_of(st.none(), st.integers(0, 3)))
     def stream(self, data, take):
         """Pull a request's deltas: all of them and its result, or `take` and leave (which cancels it)."""
