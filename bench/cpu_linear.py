@@ -76,7 +76,7 @@ def main() -> None:
     for k, n in (SHAPES[i] for i in args.shapes):
         weight = torch.randn(n, k) * k ** -0.5
         weight_bf16 = weight.bfloat16()
-        shards = [part.contiguous() for part in weight.split(k // 8, dim=1)]  # a row-parallel matrix's, at TP=1
+        shards = list(weight.split(k // 8, dim=1))  # a row-parallel matrix's at TP=1: its column slices, views
         for rows in args.rows:
             x = torch.randn(rows, k)
             calls: dict[str, Callable[[], object]] = {name: partial(fn, x, weight, weight_bf16, shards)

@@ -105,11 +105,11 @@ def rank_parallel(args: EngineArgs, ops: Ops, rank: int, num_layers: int) -> tup
     native = args.torch_dtype == torch.float32 and {ops.linear, ops.prefill_linear} <= NATIVE_SHARDS.keys()
     tree = tree_enabled(args.options.backend.tree_reduction, size, native)
     if stages == 1:
-        tp = TensorParallel(rank, size, tree=tree, expert_parallel=args.enable_expert_parallel)
+        tp = TensorParallel(rank, size, tree=tree, expert_parallel=args.enable_expert_parallel, shards_in_place=native)
         return tp, tp
     group = TensorParallel(rank, stages)
     stage = PipelineStage(rank, stages, stage_layers(num_layers, rank, stages), group)
-    return TensorParallel(0, 1, tree=tree, pipeline=stage), group
+    return TensorParallel(0, 1, tree=tree, pipeline=stage, shards_in_place=native), group
 
 
 def build_rank(args: EngineArgs, rank: int, replay: bool,

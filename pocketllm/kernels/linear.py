@@ -214,6 +214,9 @@ def _native_shards(variant: str, dot: bool = False) -> Callable[[torch.Tensor, S
 NATIVE_SHARDS: dict[Callable[..., torch.Tensor], Callable[[torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]] = {
     linear_fixed_order: _native_shards(""), linear_fixed_order_avx2: _native_shards("avx2"),
     linear_bf16_dot: _native_shards("", dot=True), linear_bf16_dot_avx2: _native_shards("avx2", dot=True)}
+# The linear implementations whose bits do not depend on where a weight starts (the C++ kernels load
+# unaligned throughout), so their weights may be views at any offset, such as the shards above.
+ALIGNMENT_FREE = frozenset(NATIVE_SHARDS)
 
 
 # -- Triton ------------------------------------------------------------------------------------------

@@ -293,7 +293,8 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     if tokens == 0:
         return out
     x = x.contiguous()
-    w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
+    # (the kernels take W's strides: a down matrix's shards as column slices are read in place)
+    w_gate_up, w_down = w_gate_up.contiguous(), w_down if w_down.stride(-1) == 1 else w_down.contiguous()
     device_type = launch_device_type(x)
     block_m, block_n, block_k = TILES[device_type]
     host_dot = device_type == "cpu"

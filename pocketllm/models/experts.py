@@ -47,13 +47,15 @@ class Experts:
         shards = (REDUCTION_SHARDS // (1 if tp.expert_parallel else tp.size)) if tp.tree else 1
         if inter % shards:  # one process only (check_parallel refuses such a model above one rank)
             shards = 1
-        self.w_down = w_down if shards == 1 else (
-            w_down.view(self.count, hidden, shards, inter // shards).transpose(1, 2).contiguous())
+        # The shards as column slices of each expert's down matrix (a view) where the kernel streams it
+        # as a whole, else a copy shard by shard.
+        sharded = w_down.view(self.count, hidden, shards, inter // shards).transpose(1, 2)
+        self.w_down = w_down if shards == 1 else sharded if tp.shards_in_place else sharded.contiguous()
 
     def matrices(self) -> tuple[torch.Tensor, ...]:
         """Each expert's gate/up matrix and down matrix (or its shards), as the op multiplies them."""
-        down = self.w_down.flatten(0, 1) if self.w_down.dim() == 4 else self.w_down
-        return (*self.w_gate_up.unbind(0), *down.unbind(0))
+        down = [shard for expert in self.w_down for shard in expert] if self.w_down.dim() == 4 else self.w_down
+        return (*self.w_gate_up.unbind(0), *down)
 
     def forward(self, ops: Ops, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """[T, H]: the routed experts' output for rows x [T, H] routed to topk_ids [T, K]."""

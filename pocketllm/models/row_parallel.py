@@ -33,8 +33,9 @@ class RowParallel:
         if weight.shape[1] % count:
             raise ValueError(f"{name}: its {weight.shape[1] * tp.size} input features do not split into "
                              f"{REDUCTION_SHARDS} equal shards for the fixed reduction tree")
-        width = weight.shape[1] // count
-        self.shards = [weight[:, i * width:(i + 1) * width].contiguous() for i in range(count)]
+        # Column slices of the matrix (views) where the kernel streams it as a whole, else copies.
+        shards = weight.contiguous().split(weight.shape[1] // count, dim=1)
+        self.shards = list(shards) if tp.shards_in_place else [shard.contiguous() for shard in shards]
 
     def weights(self) -> tuple[torch.Tensor, ...]:
         """The matrices multiplied through `ops.linear`: its shards."""

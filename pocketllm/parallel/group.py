@@ -30,12 +30,15 @@ class TensorParallel:
     summed over fixed K shards in one binary tree (see `parallel/tree.py`); otherwise one product
     per rank and a plain all-reduce, whose order is the library's. `expert_parallel`: a mixture of
     experts' layers hold whole experts, a block of them per rank, rather than a block of every
-    expert's intermediate features (see `models/experts.py`).
+    expert's intermediate features (see `models/experts.py`). `shards_in_place`: the linear kernel
+    reads the tree's shards as column slices of one matrix (the C++ kernels), so the layers keep
+    them as views of it; other kernels get each shard as a matrix of its own (aligned, contiguous).
     """
 
     def __init__(self, rank: int = 0, size: int = 1, tree: bool = False, expert_parallel: bool = False,
-                 pipeline: PipelineStage | None = None) -> None:
+                 pipeline: PipelineStage | None = None, shards_in_place: bool = False) -> None:
         self.rank, self.size, self.tree, self.expert_parallel = rank, size, tree, expert_parallel
+        self.shards_in_place = shards_in_place
         self.pipeline = pipeline  # the pipeline stage this process runs (None: every layer)
         self.sent_bytes = 0  # what this rank put into collectives (its own tensor, once per call)
         self._group: Any = None

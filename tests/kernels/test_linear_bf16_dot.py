@@ -144,11 +144,13 @@ def test_bad_operands_are_named():
 @pytest.mark.parametrize("shards", [2, 8])
 def test_shards_are_each_shard_product_summed_in_the_tree(variant, shards):
     for width in (17, 18, 64):  # an odd width: each slice one zero element more
-        for m in (1, 5, 20):
+        for m in (1, 5, 16, 20):
             x, w, _ = _data(m, 37, shards * width, seed=m * width + shards)
             parts = [w[:, i * width:(i + 1) * width].contiguous() for i in range(shards)]
             native = EXT.linear_bf16_dot_shards(x, parts, variant)
             one_call_each = tree_sum([EXT.linear_bf16_dot(x[:, i * width:(i + 1) * width].contiguous(), part, None,
                                                           variant) for i, part in enumerate(parts)])
             assert torch.equal(native, one_call_each), (width, m)
+            # the shards as column slices of one matrix: read in place (an even width) or padded (odd)
+            assert torch.equal(EXT.linear_bf16_dot_shards(x, list(w.split(width, dim=1)), variant), native), (width, m)
             assert torch.equal(in_shards(linear_bf16_dot, x, parts), native)  # the default variant: the same bits

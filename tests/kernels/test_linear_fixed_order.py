@@ -238,15 +238,18 @@ def test_the_avx2_implementation_is_registered_and_gives_the_default_bits():
 def test_the_kernel_sums_its_shards_as_one_call_per_shard_and_the_tree_do(variant, weights, shards, threads):
     """`linear_shards` (the row-parallel product's order in one call): bitwise each K slice's product
     by `linear`, summed in the fixed tree, for the direct and the packed tiles and slices with a tail
-    (widths 17, 40, 64); and a row's bits are those of the row alone."""
+    (widths 17, 40, 64); the shards as column slices of one matrix (read in place) give the same bits;
+    and a row's bits are those of the row alone."""
     for width in (17, 40, 64):
-        for m in (1, 5, 20):
+        for m in (1, 2, 5, 15, 16, 20, 33):
             x, w, _ = _data(m, 37, shards * width, seed=m * width + shards, bias=False)
-            parts = [w[:, i * width:(i + 1) * width].contiguous().to(getattr(torch, weights)) for i in range(shards)]
+            w = w.to(getattr(torch, weights))
+            parts = [w[:, i * width:(i + 1) * width].contiguous() for i in range(shards)]
             native = EXT.linear_shards(x, parts, variant)
             one_call_each = tree_sum([EXT.linear(x[:, i * width:(i + 1) * width].contiguous(), part, None, variant)
                                       for i, part in enumerate(parts)])
             assert torch.equal(native, one_call_each), (width, m)
+            assert torch.equal(EXT.linear_shards(x, list(w.split(width, dim=1)), variant), native), (width, m)
             assert torch.equal(EXT.linear_shards(x[m - 1:], parts, variant), native[m - 1:]), (width, m)
 
 

@@ -187,10 +187,12 @@ def test_one_call_for_every_expert_is_the_kernel_called_per_expert(weight_dtype,
     assert torch.equal(moe_fixed_order(x, ids, w, w_gate_up, w_down), per_expert)
 
 
-def _in_shards(w_down: torch.Tensor, shards: int) -> torch.Tensor:
-    """[E, H, I] -> [E, S, H, I/S]: the input features in S shards."""
+def _in_shards(w_down: torch.Tensor, shards: int, view: bool = False) -> torch.Tensor:
+    """[E, H, I] -> [E, S, H, I/S]: the input features in S shards, copied shard by shard or (`view`)
+    as column slices of each expert's matrix, the layout the model keeps."""
     experts, hidden, inter = w_down.shape
-    return w_down.view(experts, hidden, shards, inter // shards).transpose(1, 2).contiguous()
+    sharded = w_down.view(experts, hidden, shards, inter // shards).transpose(1, 2)
+    return sharded if view else sharded.contiguous()
 
 
 def _tree_by_hand(x, ids, w, w_gate_up, w_down, shards: int, product) -> torch.Tensor:
@@ -249,6 +251,7 @@ def test_the_one_call_path_sums_a_sharded_down_matrix_as_the_tree_by_hand(weight
     w_gate_up, w_down = w_gate_up.to(weight_dtype), w_down.to(weight_dtype)
     by_hand = _tree_by_hand(x, ids, w, w_gate_up, w_down, 8, lambda rows, weight: linear_fixed_order(rows, weight))
     assert torch.equal(moe_fixed_order(x, ids, w, w_gate_up, _in_shards(w_down, 8)), by_hand)
+    assert torch.equal(moe_fixed_order(x, ids, w, w_gate_up, _in_shards(w_down, 8, view=True)), by_hand)
 
 
 @pytest.mark.skipif(load_extension() is None, reason="pocketllm's C++ CPU kernels cannot be built here")
@@ -264,6 +267,8 @@ def test_bf16_dot_experts_are_the_dot_product_per_expert(tokens, shards):
     out = moe_bf16_dot(x, ids, w, w_gate_up, down)
     by_hand = _tree_by_hand(x, ids, w, w_gate_up, w_down, shards, lambda rows, weight: linear_bf16_dot(rows, weight))
     assert torch.equal(out, by_hand)
+    if shards > 1:
+        assert torch.equal(moe_bf16_dot(x, ids, w, w_gate_up, _in_shards(w_down, shards, view=True)), by_hand)
     assert torch.equal(moe_bf16_dot(x[:1], ids[:1], w[:1], w_gate_up, down), out[:1])
     torch.testing.assert_close(out, moe_ref(x, ids, w, w_gate_up.float(), w_down.float()), atol=2e-2, rtol=2e-2)
     with pytest.raises(ValueError, match="moe 'bf16_dot' takes fp32 x and bf16 experts"):

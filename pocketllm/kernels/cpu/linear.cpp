@@ -67,8 +67,8 @@ template <typename WT>
 struct Kernels {
   void (*columns)(const float*, int64_t, int64_t, const WT*, int64_t, int64_t, const float*, float*, int64_t,
                   int64_t, int64_t);
-  void (*panel_columns)(const float*, int64_t, int64_t, const WT*, int64_t, const float*, float*, int64_t, int64_t,
-                        int64_t, float*, float*);
+  void (*panel_columns)(const float*, int64_t, int64_t, int64_t, const WT* const*, int64_t, int64_t, const float*,
+                        float*, int64_t, int64_t, int64_t, float*, float*, float*);
   void (*shard_columns)(const float*, int64_t, int64_t, const WT* const*, int64_t, int64_t, int64_t, float*, int64_t,
                         int64_t, int64_t, float*);
 };
@@ -168,13 +168,14 @@ static int64_t panel_block_columns(int64_t K) {
 }
 
 // The products of x_s @ W_s^T (+ b) for S shards, in one parallel region: x_s is x's K columns from
-// s K on (rows ldx apart), W_s = ws[s] a contiguous [N, K] of elements WT. S = 1 is one product into
-// y [M, N]. S > 1 (`linear_shards`, no bias): below PANEL_MIN_ROWS rows y is their shard tree
-// (shard_columns); from it the S products go to yp + s M N, for the caller to sum. Threads take blocks
-// of columns (of a shard, for many rows): who computes an output, and when, never how.
+// s K on (rows ldx apart), W_s = ws[s] an [N, K] of elements WT with rows ldw apart (the shards of a
+// row-parallel matrix are its column slices: one matrix streamed as a whole). S = 1 is one product into
+// y [M, N]. S > 1 (`linear_shards`, no bias): y is their shard tree, summed as each block of columns
+// ends (shard_columns, panel_columns). Threads take blocks of columns: who computes an output, and
+// when, never how.
 template <typename WT>
 static void run(const Variant& variant, const float* xp, int64_t ldx, int64_t M, int64_t K, const WT* const* ws,
-                int64_t S, int64_t N, const float* bp, float* yp) {
+                int64_t ldw, int64_t S, int64_t N, const float* bp, float* yp) {
   const Kernels<WT>& v = variant.of<WT>();
   const int64_t threads = at::get_num_threads();
   if (M < PANEL_MIN_ROWS) {
@@ -185,21 +186,24 @@ static void run(const Variant& variant, const float* xp, int64_t ldx, int64_t M,
       std::vector<float> lanes(S == 1 ? 0 : (S * SHARD_TILE_OUTPUTS + 16) * 16, 0.0f);
       take_items(next, blocks, [&](int64_t i) {
         const int64_t n0 = i * block, n1 = std::min(N, (i + 1) * block);
-        if (S == 1) v.columns(xp, M, ldx, ws[0], K, K, bp, yp, N, n0, n1);
-        else v.shard_columns(xp, M, ldx, ws, K, S, K, yp, N, n0, n1, lanes.data());
+        if (S == 1) v.columns(xp, M, ldx, ws[0], ldw, K, bp, yp, N, n0, n1);
+        else v.shard_columns(xp, M, ldx, ws, ldw, S, K, yp, N, n0, n1, lanes.data());
       });
     });
     return;
   }
   const int64_t group = variant.panel_rows, groups = (M + group - 1) / group, steps = (K + 15) / 16;
-  const int64_t block = panel_block_columns(K), blocks = (N + block - 1) / block;
+  const int64_t block = panel_block_columns(S * K), blocks = (N + block - 1) / block;
   const int64_t acc = avx512::PANEL_ROWS * avx512::PANEL_COLS * 16, shard_packed = groups * group * steps * 16;
+  int64_t levels = 1;
+  while ((int64_t(1) << (levels - 1)) < S) ++levels;
+  const int64_t tree = S == 1 ? 0 : (levels + 1) * avx512::PANEL_ROWS * avx512::PANEL_COLS;
   at::Tensor packed = at::empty({S * shard_packed}, at::kFloat);
   float* pp = packed.data_ptr<float>();
   std::atomic<int64_t> next_group{0}, packed_groups{0}, next_block{0};
   // One parallel region (every region waits for all its threads to start): the threads pack x's
-  // groups, wait until all are packed, then compute blocks of columns.
-  at::parallel_for(0, std::min(S * blocks, threads), 1, [&](int64_t, int64_t) {
+  // groups, wait until all are packed, then compute blocks of columns, every shard of a block.
+  at::parallel_for(0, std::min(blocks, threads), 1, [&](int64_t, int64_t) {
     const Denormals mode(variant.flush_denormals);
     take_items(next_group, S * groups, [&](int64_t item) {
       const int64_t s = item / groups, g = item % groups;
@@ -208,13 +212,12 @@ static void run(const Variant& variant, const float* xp, int64_t ldx, int64_t M,
       ++packed_groups;
     });
     while (packed_groups.load() < S * groups) std::this_thread::yield();
-    const at::Tensor scratch = at::empty({acc + block * steps * 16}, at::kFloat);
+    const at::Tensor scratch = at::empty({acc + S * block * steps * 16 + tree}, at::kFloat);
     float* sp = scratch.data_ptr<float>();
     std::fill(sp, sp + acc, 0.0f);  // sums (tile.h) reads the lanes past a narrow block's last column too
-    take_items(next_block, S * blocks, [&](int64_t item) {
-      const int64_t s = item / blocks, i = item % blocks;
-      v.panel_columns(pp + s * shard_packed, M, K, ws[s], K, bp, yp + s * M * N, N, i * block,
-                      std::min(N, (i + 1) * block), sp, sp + acc);
+    take_items(next_block, blocks, [&](int64_t i) {
+      v.panel_columns(pp, shard_packed, M, K, ws, ldw, S, bp, yp, N, i * block, std::min(N, (i + 1) * block), sp,
+                      sp + acc, sp + acc + S * block * steps * 16);
     });
   });
 }
@@ -229,18 +232,18 @@ static void check_operands(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK_VALUE(x.size(1) == weight.size(1), "x has K=", x.size(1), " but weight has K=", weight.size(1));
 }
 
-// `run` over contiguous weights of fp32 or bf16 elements, one per shard.
+// `run` over weights of fp32 or bf16 elements, one per shard, whose rows are equally far apart.
 static void run_any(const Variant& v, const float* xp, int64_t ldx, int64_t M, int64_t K,
                     const std::vector<at::Tensor>& weights, const float* bp, float* yp) {
-  const int64_t S = int64_t(weights.size()), N = weights[0].size(0);
+  const int64_t S = int64_t(weights.size()), N = weights[0].size(0), ldw = weights[0].stride(0);
   if (weights[0].dtype() == at::kBFloat16) {
     std::vector<const BF16*> ws;
     for (const auto& w : weights) ws.push_back(reinterpret_cast<const BF16*>(w.data_ptr<at::BFloat16>()));
-    run(v, xp, ldx, M, K, ws.data(), S, N, bp, yp);
+    run(v, xp, ldx, M, K, ws.data(), ldw, S, N, bp, yp);
   } else {
     std::vector<const float*> ws;
     for (const auto& w : weights) ws.push_back(w.data_ptr<float>());
-    run(v, xp, ldx, M, K, ws.data(), S, N, bp, yp);
+    run(v, xp, ldx, M, K, ws.data(), ldw, S, N, bp, yp);
   }
 }
 
@@ -321,7 +324,7 @@ at::Tensor linear_bf16_dot(at::Tensor x, at::Tensor weight, c10::optional<at::Te
   if (M == 0 || N == 0) return y;
   const at::Tensor pairs = bf16_pairs(x.contiguous());
   const float* w = reinterpret_cast<const float*>(weight.data_ptr<at::BFloat16>());
-  run(v, reinterpret_cast<const float*>(pairs.data_ptr<int32_t>()), (K + 1) / 2, M, (K + 1) / 2, &w, 1, N,
+  run(v, reinterpret_cast<const float*>(pairs.data_ptr<int32_t>()), (K + 1) / 2, M, (K + 1) / 2, &w, (K + 1) / 2, 1, N,
       bias.has_value() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>());
   return y;
 }
@@ -330,7 +333,9 @@ at::Tensor linear_bf16_dot(at::Tensor x, at::Tensor weight, c10::optional<at::Te
 // [s K/S, (s+1) K/S)): each shard's product in the one order of `linear` on its slice of x, the S
 // products summed in a binary tree, (0+1), (2+3), ..., then pairs of those. The order in which a
 // tensor-parallel rank sums its shards and the ranks sum theirs (parallel/tree.py), in one call: no
-// copies of x's slices, no call of Python per shard.
+// copies of x's slices, no call of Python per shard. Shards whose rows lie equally far apart (the
+// column slices of one matrix, as a row-parallel layer holds them) are read in place, so the product
+// streams W as the unsharded one does; others are made contiguous first.
 // `dot`: bf16 shards on bf16 dot products (`linear_bf16_dot`'s order per shard), the tree with
 // denormals flushed as that order's are.
 static at::Tensor shard_tree(at::Tensor x, std::vector<at::Tensor> shards, const std::string& variant, bool dot) {
@@ -338,41 +343,34 @@ static at::Tensor shard_tree(at::Tensor x, std::vector<at::Tensor> shards, const
   TORCH_CHECK_VALUE(S >= 1 && (S & (S - 1)) == 0, "the number of shards must be a power of two, got ", S);
   const int64_t M = x.size(0), width = shards[0].size(1), N = shards[0].size(0);
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == S * width, "x must be [M, K] with K = ", S, " shards x ", width);
-  for (auto& shard : shards) {
+  bool in_place = !(dot && width % 2);
+  for (const auto& shard : shards) {
     check_operands(x.narrow(1, 0, width), shard);
     TORCH_CHECK_VALUE(shard.size(0) == N && shard.dtype() == shards[0].dtype(), "the shards differ in shape or dtype");
     TORCH_CHECK_VALUE(!dot || shard.dtype() == at::kBFloat16, "bf16 dot products take bf16 shards");
-    // bf16 dot products on an odd width: each shard one zero column more, as each slice of x (below)
-    shard = dot && width % 2 ? at::constant_pad_nd(shard, {0, 1}) : shard.contiguous();
+    in_place = in_place && shard.stride(1) == 1 && shard.stride(0) == shards[0].stride(0) && shard.stride(0) >= width &&
+               (!dot || (shard.stride(0) % 2 == 0 && shard.storage_offset() % 2 == 0));  // whole pairs
   }
+  // bf16 dot products on an odd width: each shard one zero column more, as each slice of x (below)
+  if (!in_place)
+    for (auto& shard : shards) shard = dot && width % 2 ? at::constant_pad_nd(shard, {0, 1}) : shard.contiguous();
   TORCH_CHECK_VALUE(S <= 64, "at most 64 shards, got ", S);
   const Variant& v = dot ? dot_variant_of(variant) : variant_of(variant, M);
   x = x.contiguous();
-  at::Tensor parts = at::empty({M < PANEL_MIN_ROWS ? 1 : S, M, N}, x.options());
-  if (M == 0 || N == 0) return parts[0];
-  const int64_t size = M * N;
-  float* pp = parts.data_ptr<float>();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  float* yp = y.data_ptr<float>();
   if (dot) {
     const int64_t padded = width + width % 2;
     const at::Tensor pairs = bf16_pairs(width % 2 ? at::constant_pad_nd(x.view({M, S, width}), {0, 1}).view({M, S * padded}) : x);
     std::vector<const float*> ws;
     for (const auto& w : shards) ws.push_back(reinterpret_cast<const float*>(w.data_ptr<at::BFloat16>()));
-    run(v, reinterpret_cast<const float*>(pairs.data_ptr<int32_t>()), S * padded / 2, M, padded / 2, ws.data(), S, N,
-        nullptr, pp);
+    run(v, reinterpret_cast<const float*>(pairs.data_ptr<int32_t>()), S * padded / 2, M, padded / 2, ws.data(),
+        shards[0].stride(0) / 2, S, N, nullptr, yp);
   } else {
-    run_any(v, x.data_ptr<float>(), S * width, M, width, shards, nullptr, pp);
+    run_any(v, x.data_ptr<float>(), S * width, M, width, shards, nullptr, yp);
   }
-  if (M < PANEL_MIN_ROWS) return parts[0];  // summed by shard_columns
-  for (int64_t step = 1; step < S; step *= 2)  // part s += part s + step, for s a multiple of 2 step
-    at::parallel_for(0, size, 4096, [&](int64_t begin, int64_t end) {
-      const Denormals mode(v.flush_denormals);
-      for (int64_t s = 0; s < S; s += 2 * step) {
-        float* a = pp + s * size;
-        const float* b = pp + (s + step) * size;
-        for (int64_t i = begin; i < end; ++i) a[i] = a[i] + b[i];
-      }
-    });
-  return parts[0];
+  return y;
 }
 
 at::Tensor linear_shards(at::Tensor x, std::vector<at::Tensor> shards, const std::string& variant) {

@@ -224,35 +224,64 @@ static PanelFn panel_fn(int rows, int cols, bool first) {
   return nullptr;
 }
 
-// Output columns [n0, n1) (at most PANEL_COLS) of every row, from x packed by groups of PANEL_ROWS
-// rows (group g at xp + g * PANEL_ROWS * steps_of(K) * 16). Scratch: acc, PANEL_ROWS * PANEL_COLS * 16
-// floats, zeroed (sums reads the lanes past a narrow block's last column too), and wp, PANEL_COLS *
-// steps_of(K) * 16 floats. Which columns a call gets changes who computes a column, never how.
+// Output columns [n0, n1) (at most PANEL_COLS) of every row, for W in S shards of K columns each (shard s:
+// ws[s], [N, K] with rows ldw apart; S = 1: one matrix), from x packed by groups of PANEL_ROWS rows per
+// shard (shard s's group g at xp + s * xstride + g * PANEL_ROWS * steps_of(K) * 16). Each shard's
+// outputs are carried over its K, their lanes summed by `sums`; S > 1 (no bias): the shards' sums are
+// added in the shard tree, (0+1), (2+3), ..., then pairs of those, kept level by level in `tree`
+// (at least (log2 S + 2) * PANEL_ROWS * PANEL_COLS floats) as each shard ends, so that no shard's
+// products ever leave the cache. Scratch: acc, PANEL_ROWS * PANEL_COLS * 16 floats, zeroed (sums reads
+// the lanes past a narrow block's last column too), and wp, S * PANEL_COLS * steps_of(K) * 16 floats.
+// Which columns a call gets changes who computes a column, never how.
 template <typename WT>
-static void panel_columns(const float* xp, int64_t M, int64_t K, const WT* w, int64_t ldw, const float* bias,
-                          float* y, int64_t ldy, int64_t n0, int64_t n1, float* acc, float* wp) {
-  const int64_t S = steps_of(K), width = n1 - n0;
+static void panel_columns(const float* xp, int64_t xstride, int64_t M, int64_t K, const WT* const* ws, int64_t ldw,
+                          int64_t S, const float* bias, float* y, int64_t ldy, int64_t n0, int64_t n1, float* acc,
+                          float* wp, float* tree) {
+  const int64_t steps_k = steps_of(K), width = n1 - n0, shard_packed = steps_k * width * 16;
   const int narrow = int((width - 1) % PANEL_C) + 1;
-  pack_columns(w, ldw, K, n0, n1, wp);
+  for (int64_t s = 0; s < S; ++s) pack_columns(ws[s], ldw, K, n0, n1, wp + s * shard_packed);
+  const int64_t outputs = PANEL_ROWS * PANEL_COLS;
   for (int64_t m = 0; m < M; m += PANEL_ROWS) {
     const int rows = int(M - m < PANEL_ROWS ? M - m : PANEL_ROWS);
-    const float* xg = xp + m * S * 16;
-    for (int64_t s0 = 0; s0 < S; s0 += PANEL_STEPS) {
-      const int64_t steps = S - s0 < PANEL_STEPS ? S - s0 : PANEL_STEPS;
-      const PanelFn wide = panel_fn<PANEL_ROWS, PANEL_C>(rows, PANEL_C, s0 == 0);
-      const PanelFn last = panel_fn<PANEL_ROWS, PANEL_C>(rows, narrow, s0 == 0);
-      // The next K block's (or group's) packed rows follow this one's: fetched into L2 a slice per tile,
-      // as the hardware would not across its pages, so that the next pass does not wait on L3.
-      const float* panel = xg + s0 * rows * 16;
-      const char* next = reinterpret_cast<const char*>(panel + steps * rows * 16);
-      const char* end = reinterpret_cast<const char*>(xp + ((M + PANEL_ROWS - 1) / PANEL_ROWS) * PANEL_ROWS * S * 16);
-      const int64_t slice = (steps * rows * 64 / ((width + PANEL_C - 1) / PANEL_C) + 63) / 64 * 64;
-      for (int64_t n = 0; n < width; n += PANEL_C, next += slice) {
-        for (const char* p = next; p < next + slice && p < end; p += 64) _mm_prefetch(p, _MM_HINT_T1);
-        (n + PANEL_C < width ? wide : last)(panel, wp + (s0 * width + n * steps) * 16, steps, acc + n * 16);
+    for (int64_t shard = 0; shard < S; ++shard) {
+      const float* xg = xp + shard * xstride + m * steps_k * 16;
+      const float* wg = wp + shard * shard_packed;
+      for (int64_t s0 = 0; s0 < steps_k; s0 += PANEL_STEPS) {
+        const int64_t steps = steps_k - s0 < PANEL_STEPS ? steps_k - s0 : PANEL_STEPS;
+        const PanelFn wide = panel_fn<PANEL_ROWS, PANEL_C>(rows, PANEL_C, s0 == 0);
+        const PanelFn last = panel_fn<PANEL_ROWS, PANEL_C>(rows, narrow, s0 == 0);
+        // The next K block's (or group's) packed rows follow this one's: fetched into L2 a slice per tile,
+        // as the hardware would not across its pages, so that the next pass does not wait on L3.
+        const float* panel = xg + s0 * rows * 16;
+        const char* next = reinterpret_cast<const char*>(panel + steps * rows * 16);
+        const char* end = reinterpret_cast<const char*>(xp + shard * xstride +
+                                                        ((M + PANEL_ROWS - 1) / PANEL_ROWS) * PANEL_ROWS * steps_k * 16);
+        const int64_t slice = (steps * rows * 64 / ((width + PANEL_C - 1) / PANEL_C) + 63) / 64 * 64;
+        for (int64_t n = 0; n < width; n += PANEL_C, next += slice) {
+          for (const char* p = next; p < next + slice && p < end; p += 64) _mm_prefetch(p, _MM_HINT_T1);
+          (n + PANEL_C < width ? wide : last)(panel, wg + (s0 * width + n * steps) * 16, steps, acc + n * 16);
+        }
+      }
+      if (S == 1) {
+        for (int r = 0; r < rows; ++r)
+          sums(acc + r * PANEL_COLS * 16, width, bias ? bias + n0 : nullptr, y + (m + r) * ldy + n0);
+        continue;
+      }
+      // This shard's sums, then the tree: level l holds the sum of the last 2^l shards' left half while
+      // the right half is being computed.
+      float* sum = tree;
+      for (int r = 0; r < rows; ++r) sums(acc + r * PANEL_COLS * 16, width, nullptr, sum + r * PANEL_COLS);
+      int64_t level = 0;
+      for (; (shard >> level) & 1; ++level) {
+        const float* left = tree + (level + 1) * outputs;
+        for (int r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < width; ++c) sum[r * PANEL_COLS + c] = left[r * PANEL_COLS + c] + sum[r * PANEL_COLS + c];
+      }
+      if (shard + 1 < S) {
+        std::memcpy(tree + (level + 1) * outputs, sum, sizeof(float) * outputs);
+      } else {
+        for (int r = 0; r < rows; ++r) std::memcpy(y + (m + r) * ldy + n0, sum + r * PANEL_COLS, sizeof(float) * width);
       }
     }
-    for (int r = 0; r < rows; ++r)
-      sums(acc + r * PANEL_COLS * 16, width, bias ? bias + n0 : nullptr, y + (m + r) * ldy + n0);
   }
 }
