@@ -4,17 +4,17 @@
 // are tile.h's products and the weighted sum of values a register tile on `Lanes`, with the same
 // operation sequence per output in both variants, so both give the same bits.
 
-// acc[r][c] = sum over j in [0, length) of p[j * ldp + r] * v[j * ldv + 16 c ..] for R rows of p and C
+// acc[r][c] = sum over j in [0, length) of p[j * ldp + r] * v[j * ldv + c * ldc ..] for R rows of p and C
 // 16-lane column vectors of v: one FMA per j, in increasing j, from +0. Stored at out + r * ldo + 16 c.
 template <int R, int C>
-static void weighted_tile(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t length, float* out,
-                          int64_t ldo) {
+static void weighted_tile(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t ldc, int64_t length,
+                          float* out, int64_t ldo) {
   typename Lanes::V a[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = Lanes::zero();
   for (int64_t j = 0; j < length; ++j, p += ldp, v += ldv) {
     typename Lanes::V vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = Lanes::load(v + 16 * c);
+    for (int c = 0; c < C; ++c) vv[c] = Lanes::load(v + c * ldc);
     for (int r = 0; r < R; ++r) {
       const typename Lanes::V e = Lanes::broadcast(p[r]);
       for (int c = 0; c < C; ++c) a[r][c] = Lanes::fma(e, vv[c], a[r][c]);
@@ -27,10 +27,11 @@ static void weighted_tile(const float* p, int64_t ldp, const float* v, int64_t l
 // weighted_tile<rows, cols> for 1 <= rows <= R and 1 <= cols <= C.
 template <int R, int C>
 static void any_weighted_tile(int rows, int cols, const float* p, int64_t ldp, const float* v, int64_t ldv,
-                              int64_t length, float* out, int64_t ldo) {
-  if (rows == R && cols == C) weighted_tile<R, C>(p, ldp, v, ldv, length, out, ldo);
-  else if constexpr (C > 1) any_weighted_tile<R, C - 1>(rows, cols, p, ldp, v, ldv, length, out, ldo);
-  else if constexpr (R > 1) any_weighted_tile<R - 1, Lanes::WEIGHTED_COLS>(rows, cols, p, ldp, v, ldv, length, out, ldo);
+                              int64_t ldc, int64_t length, float* out, int64_t ldo) {
+  if (rows == R && cols == C) weighted_tile<R, C>(p, ldp, v, ldv, ldc, length, out, ldo);
+  else if constexpr (C > 1) any_weighted_tile<R, C - 1>(rows, cols, p, ldp, v, ldv, ldc, length, out, ldo);
+  else if constexpr (R > 1)
+    any_weighted_tile<R - 1, Lanes::WEIGHTED_COLS>(rows, cols, p, ldp, v, ldv, ldc, length, out, ldo);
 }
 
 // The item's n = rows x group query vectors (vector i: row i / group, query head h0 + i % group),
@@ -69,24 +70,26 @@ static void attend_item(const Item& it, Scratch& s) {
     }
   }
   const float* values = it.values;
-  int64_t ldv = it.stride;
-  if (dim != dim16) {  // a whole 16-lane load per column vector: the values zero-padded to dim16
-    for (int64_t j = 0; j < length; ++j) {
-      std::copy(it.values + j * it.stride, it.values + j * it.stride + dim, s.values_padded.data() + j * dim16);
+  int64_t ldv = it.value_row;
+  if (dim != dim16 && it.value_column == 16) {  // the cache's rows: a whole 16-lane load per column vector,
+    for (int64_t j = 0; j < length; ++j) {    // the values zero-padded to dim16 (a pack is already)
+      std::copy(it.values + j * ldv, it.values + j * ldv + dim, s.values_padded.data() + j * dim16);
       std::fill(s.values_padded.data() + j * dim16 + dim, s.values_padded.data() + (j + 1) * dim16, 0.0f);
     }
     values = s.values_padded.data();
     ldv = dim16;
   }
+  // Column vectors outside, rows inside: a pack's column of values stays in cache across the rows.
   const int64_t vectors = dim16 / 16;
-  for (int64_t i = 0; i < n; i += Lanes::WEIGHTED_ROWS) {
-    const int rows = int(std::min<int64_t>(Lanes::WEIGHTED_ROWS, n - i));
-    int64_t keys = 0;  // past the tile's longest last key every e is 0: an FMA that adds +0
-    for (int r = 0; r < rows; ++r) keys = std::max(keys, s.last[i + r] + 1);
-    for (int64_t c = 0; c < vectors; c += Lanes::WEIGHTED_COLS) {
-      const int cols = int(std::min<int64_t>(Lanes::WEIGHTED_COLS, vectors - c));
-      any_weighted_tile<Lanes::WEIGHTED_ROWS, Lanes::WEIGHTED_COLS>(rows, cols, s.scores.data() + i, n, values + 16 * c,
-                                                                  ldv, keys, s.sums.data() + i * dim16 + 16 * c, dim16);
+  for (int64_t c = 0; c < vectors; c += Lanes::WEIGHTED_COLS) {
+    const int cols = int(std::min<int64_t>(Lanes::WEIGHTED_COLS, vectors - c));
+    for (int64_t i = 0; i < n; i += Lanes::WEIGHTED_ROWS) {
+      const int rows = int(std::min<int64_t>(Lanes::WEIGHTED_ROWS, n - i));
+      int64_t keys = 0;  // past the tile's longest last key every e is 0: an FMA that adds +0
+      for (int r = 0; r < rows; ++r) keys = std::max(keys, s.last[i + r] + 1);
+      any_weighted_tile<Lanes::WEIGHTED_ROWS, Lanes::WEIGHTED_COLS>(
+          rows, cols, s.scores.data() + i, n, values + c * it.value_column, ldv, it.value_column, keys,
+          s.sums.data() + i * dim16 + 16 * c, dim16);
     }
   }
   for (int64_t i = 0; i < n; ++i) {

@@ -23,6 +23,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "lanes.h"
@@ -60,9 +61,10 @@ constexpr int64_t BLOCK = 16;
 struct Item {
   const float* q;             // row t, head h at q + (t * heads + h) * dim
   const float* keys;          // key j at keys + j * stride
-  const float* values;
+  const float* values;        // value j's 16-lane column vector c at values + j * value_row + c * value_column
   const int64_t* positions;   // of rows t0 .. t0 + rows - 1
   int64_t t0, n, heads, h0, group, stride, dim, length;  // n = rows x group vectors; keys 0 .. length - 1
+  int64_t value_row, value_column;  // packed: 16 and the pack's length x 16 (dim zero-padded to 16s)
   float scale;
   float* out;                 // as q
   int64_t offset(int64_t i) const { return ((t0 + i / group) * heads + h0 + i % group) * dim; }
@@ -86,6 +88,57 @@ struct Scratch {
     total.resize(n);
     if (dim != dim16) values_padded.resize(length * dim16);
   }
+};
+
+// The keys and values of the slots that blocks of several rows (prefill pieces) read, copied per K/V
+// head: the keys into rows dim floats apart, the values by 16-lane column vectors (vector c of every
+// row, then c + 1, zero-padded to a multiple of 16), the order the weighted sums read them. In the
+// cache a head's rows lie kv_heads * dim floats apart (4 KiB at 8 heads of 128), so that they share a
+// few cache sets and evict one another while every block of rows reads them again. It changes where a
+// key or value is read from, never what is computed.
+struct Packed {
+  std::vector<int64_t> of_slot;  // slot -> its pack, or -1
+  std::vector<int64_t> length, offset;
+  int64_t kv_heads, dim;
+  at::Tensor data;  // every pack's keys, then every pack's values
+
+  template <typename LengthOf>
+  Packed(const float* k, const float* v, const int64_t* slots, const std::vector<int64_t>& starts, int64_t max_len,
+         int64_t kv_heads, int64_t dim, const LengthOf& length_of)
+      : kv_heads(kv_heads), dim(dim) {
+    std::vector<int64_t> slot_of;
+    for (size_t b = 0; b + 1 < starts.size(); ++b) {
+      if (starts[b + 1] - starts[b] < 2) continue;
+      const int64_t slot = slots[starts[b]];
+      if (int64_t(of_slot.size()) <= slot) of_slot.resize(slot + 1, -1);
+      if (of_slot[slot] < 0) of_slot[slot] = int64_t(slot_of.size()), slot_of.push_back(slot), length.push_back(0);
+      length[of_slot[slot]] = std::max(length[of_slot[slot]], length_of(int64_t(b)));
+    }
+    const int64_t dim16 = (dim + 15) / 16 * 16;
+    offset.assign(1, 0);
+    for (int64_t l : length) offset.push_back(offset.back() + l * kv_heads * dim16);
+    data = dim % 16 ? at::zeros({2 * offset.back()}, at::kFloat) : at::empty({2 * offset.back()}, at::kFloat);
+    float* out = data.data_ptr<float>();
+    at::parallel_for(0, int64_t(slot_of.size()) * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t pack = i / kv_heads, kvh = i % kv_heads;
+        const int64_t from = (slot_of[pack] * max_len * kv_heads + kvh) * dim, rows = length[pack];
+        float* keys_to = out + offset[pack] + kvh * rows * dim16;
+        float* values_to = keys_to + offset.back();
+        for (int64_t j = 0; j < rows; ++j) {
+          const float* key = k + from + j * kv_heads * dim;
+          const float* value = v + from + j * kv_heads * dim;
+          std::copy(key, key + dim, keys_to + j * dim);
+          for (int64_t d = 0; d < dim; d += 16)
+            std::copy(value + d, value + std::min(d + 16, dim), values_to + (d / 16 * rows + j) * 16);
+        }
+      }
+    });
+  }
+  const float* keys(int64_t pack, int64_t kvh) const {
+    return data.data_ptr<float>() + offset[pack] + kvh * length[pack] * ((dim + 15) / 16 * 16);
+  }
+  const float* values(int64_t pack, int64_t kvh) const { return keys(pack, kvh) + offset.back(); }
 };
 
 }  // namespace
@@ -149,14 +202,20 @@ at::Tensor attention_rows(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, 
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return length_of(a) > length_of(b); });
   const int64_t longest = length_of(order[0]), items = blocks * kv_heads;
   const int64_t lanes_floats = (std::max(avx512::TILE_OUTPUTS, avx2::TILE_OUTPUTS) + 16) * 16;
+  const Packed packed(kp, vp, slots, starts, max_len, kv_heads, dim, length_of);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     Scratch scratch(BLOCK * group, longest, dim, lanes_floats);
     for (int64_t item = next++; item < items; item = next++) {
       const int64_t block = order[item / kv_heads], kvh = item % kv_heads, t0 = starts[block];
       const int64_t base = (slots[t0] * max_len * kv_heads + kvh) * dim;
-      const Item it{qp, kp + base, vp + base, positions, t0, (starts[block + 1] - t0) * group, heads, kvh * group,
-                    group, kv_heads * dim, dim, length_of(block), float(scale), op};
+      const bool in_pack = starts[block + 1] - t0 > 1;  // (a decode row reads the cache once: no copy)
+      const int64_t pack = in_pack ? packed.of_slot[slots[t0]] : -1;
+      const float* keys = in_pack ? packed.keys(pack, kvh) : kp + base;
+      const float* values = in_pack ? packed.values(pack, kvh) : vp + base;
+      const Item it{qp, keys, values, positions, t0, (starts[block + 1] - t0) * group, heads, kvh * group, group,
+                    in_pack ? dim : kv_heads * dim, dim, length_of(block), in_pack ? 16 : kv_heads * dim,
+                    in_pack ? packed.length[pack] * 16 : 16, float(scale), op};
       if (wide) avx512::attend_item(it, scratch);
       else avx2::attend_item(it, scratch);
     }
