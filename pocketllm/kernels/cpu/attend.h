@@ -37,17 +37,17 @@ static void any_weighted_tile(int rows, int cols, const float* p, int64_t ldp, c
 // The item's n = rows x group query vectors (vector i: row i / group, query head h0 + i % group),
 // over keys/values 0 .. length - 1 of one K/V head (row j at keys/values + j * stride; vector i
 // reads the keys 0 .. last[i]). Scratch (Scratch in attention.cpp): qb [n, dim], scores [length, n]
-// (key-major, so that every step below runs across the n vectors), lanes, sums [n, dim16], last, top,
+// (key-major, so that every step below runs across the n vectors), sums [n, dim16], last, top,
 // total [n]; values_padded [length, dim16] when dim is not a multiple of 16.
 static void attend_item(const Item& it, Scratch& s) {
   const int64_t n = it.n, dim = it.dim, dim16 = (dim + 15) / 16 * 16, length = it.length;
   for (int64_t i = 0; i < n; ++i) {
-    std::copy(it.query(i), it.query(i) + dim, s.qb.data() + i * dim);
+    std::copy(it.query(i), it.query(i) + dim, s.qb.data_ptr<float>() + i * dim);
     s.last[i] = it.last(i);
   }
   // scores[j][i] = dot(k_j, q_i), tile.h's order (the keys are its rows, the queries its W)
-  const float* qb = s.qb.data();
-  shard_columns<float>(it.keys, length, it.stride, &qb, dim, 1, dim, s.scores.data(), n, 0, n, s.lanes.data());
+  const float* qb = s.qb.data_ptr<float>();
+  shard_columns<float>(it.keys, length, it.stride, &qb, dim, 1, dim, s.scores.data(), n, 0, n, nullptr);
   // (restrict: the compiler vectorises these loops across the n vectors only once told that they do not alias)
   float* __restrict top = s.top.data();
   float* __restrict total = s.total.data();

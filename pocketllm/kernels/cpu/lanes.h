@@ -72,6 +72,10 @@ struct Lanes {
     return _mm512_add_ps(halves(_mm512_castps256_ps512(_mm256_loadu_ps(a)), a + 16),
                          halves(_mm512_castps256_ps512(_mm256_loadu_ps(a + 8)), a + 24));
   }
+  static inline S first(const V* acc, int p) {  // the same from registers: [a0..7, b0..7] + [a8..15, b8..15]
+    return _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * p], acc[2 * p + 1], 0x44),
+                         _mm512_shuffle_f32x4(acc[2 * p], acc[2 * p + 1], 0xEE));
+  }
   static inline S blocks_even(S a, S b) { return _mm512_shuffle_f32x4(a, b, 0x88); }  // 128-bit lane q: output 4p+q
   static inline S blocks_odd(S a, S b) { return _mm512_shuffle_f32x4(a, b, 0xDD); }
   template <int IMM>
@@ -145,6 +149,7 @@ struct Lanes {
   static inline S first(const float* acc, int p) {  // l[j] + l[j+8] of output p
     return _mm256_add_ps(_mm256_loadu_ps(acc + 16 * p), _mm256_loadu_ps(acc + 16 * p + 8));
   }
+  static inline S first(const V* acc, int p) { return _mm256_add_ps(acc[p].lo, acc[p].hi); }  // from registers
   static inline S blocks_even(S a, S b) { return _mm256_permute2f128_ps(a, b, 0x20); }  // 128-bit lane q: output 2p+q
   static inline S blocks_odd(S a, S b) { return _mm256_permute2f128_ps(a, b, 0x31); }
   template <int IMM>

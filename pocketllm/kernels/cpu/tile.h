@@ -12,30 +12,39 @@
 // hardware prefetcher alone left the lm_head at ~21 GB/s of ~29 (Intel Xeon, 2 threads).
 static constexpr int64_t PREFETCH_AHEAD = 512;
 
-// LANES: store each output's 16 lanes at y + (r * C + c) * 16 instead of its sum (`shard_columns`).
-// y[i] = sum(lanes of output i) (+ bias[i]) for `count` outputs whose 16 lanes lie one after the other
-// from acc (readable up to a multiple of Lanes::GROUP outputs): Lanes::sum's tree, lower lanes first,
-// on GROUP outputs at a time (one register S holds one float of each), each level adding the halves of
-// two registers' outputs, a few instructions an output against sum()'s 8. The instruction set gives
-// the steps: `first` (l[j] + l[j+8]), 128-bit blocks of two registers (`blocks_even`, `blocks_odd`),
-// `shuffle` within blocks, and `in_order`, which puts the outputs back in order at the end.
-static inline void sums(const float* acc, int64_t count, const float* bias, float* y) {
+// The sums of GROUP outputs' lanes at once, one float of each in a register S, in order: Lanes::sum's
+// tree, lower lanes first, each level adding the halves of two registers' outputs, a few instructions
+// an output against sum()'s 8. The instruction set gives the steps: `first` (l[j] + l[j+8]), 128-bit
+// blocks of two registers (`blocks_even`, `blocks_odd`), `shuffle` within blocks, and `in_order`,
+// which puts the outputs back in order at the end. `acc`: the outputs' lanes one after the other in
+// memory (float*), or their registers (Lanes::V*).
+template <typename Acc>
+static inline typename Lanes::S lane_trees(Acc acc) {
   using S = typename Lanes::S;
-  for (int64_t i = 0; i < count; i += Lanes::GROUP, acc += 16 * Lanes::GROUP) {
-    S s8[8], s4[4], s2[2];
-    for (int p = 0; p < 8; ++p) s8[p] = Lanes::first(acc, p);
-    for (int p = 0; p < 4; ++p)
-      s4[p] = Lanes::add(Lanes::blocks_even(s8[2 * p], s8[2 * p + 1]), Lanes::blocks_odd(s8[2 * p], s8[2 * p + 1]));
-    for (int p = 0; p < 2; ++p)
-      s2[p] = Lanes::add(Lanes::template shuffle<0x44>(s4[2 * p], s4[2 * p + 1]),
-                         Lanes::template shuffle<0xEE>(s4[2 * p], s4[2 * p + 1]));
-    const S s = Lanes::in_order(Lanes::add(Lanes::template shuffle<0x88>(s2[0], s2[1]),
-                                           Lanes::template shuffle<0xDD>(s2[0], s2[1])));
-    Lanes::store_sums(y + i, s, count - i, bias != nullptr ? bias + i : nullptr);
-  }
+  S s8[8], s4[4], s2[2];
+  for (int p = 0; p < 8; ++p) s8[p] = Lanes::first(acc, p);
+  for (int p = 0; p < 4; ++p)
+    s4[p] = Lanes::add(Lanes::blocks_even(s8[2 * p], s8[2 * p + 1]), Lanes::blocks_odd(s8[2 * p], s8[2 * p + 1]));
+  for (int p = 0; p < 2; ++p)
+    s2[p] = Lanes::add(Lanes::template shuffle<0x44>(s4[2 * p], s4[2 * p + 1]),
+                       Lanes::template shuffle<0xEE>(s4[2 * p], s4[2 * p + 1]));
+  return Lanes::in_order(Lanes::add(Lanes::template shuffle<0x88>(s2[0], s2[1]),
+                                    Lanes::template shuffle<0xDD>(s2[0], s2[1])));
 }
 
-template <int R, int C, typename WT, bool LANES = false>
+// y[i] = sum(lanes of output i) (+ bias[i]) for `count` outputs whose 16 lanes lie one after the other
+// from acc (readable up to a multiple of Lanes::GROUP outputs), by `lane_trees`.
+static inline void sums(const float* acc, int64_t count, const float* bias, float* y) {
+  for (int64_t i = 0; i < count; i += Lanes::GROUP, acc += 16 * Lanes::GROUP)
+    Lanes::store_sums(y + i, lane_trees(acc), count - i, bias != nullptr ? bias + i : nullptr);
+}
+
+// What a tile writes: each output's sum (Lanes::sum, one output at a time), its 16 lanes at y + (r * C +
+// c) * 16 (for `sums` over many tiles), or its outputs' sums GROUP at a time in registers (`lane_trees`).
+// The three give every output the same tree.
+enum class Out { sum, lanes, trees };
+
+template <int R, int C, typename WT, Out OUT = Out::sum>
 static void tile(const float* x, int64_t ldx, const WT* w, int64_t ldw, int64_t K,
                  const float* bias, float* y, int64_t ldy) {
   typename Lanes::V acc[R][C];
@@ -62,9 +71,24 @@ static void tile(const float* x, int64_t ldx, const WT* w, int64_t ldw, int64_t 
       for (int c = 0; c < C; ++c) acc[r][c] = Lanes::fma(xv, wv[c], acc[r][c]);
     }
   }
+  if constexpr (OUT == Out::trees) {
+    constexpr int N = R * C, G = Lanes::GROUP;
+    typename Lanes::V flat[(N + G - 1) / G * G];
+    for (int o = 0; o < (N + G - 1) / G * G; ++o) flat[o] = o < N ? acc[o / C][o % C] : Lanes::zero();
+    for (int g = 0; g < N; g += G) {
+      float out[G];
+      // (parenthesised: no argument-dependent lookup of another instruction set's copy of this file)
+      Lanes::store_sums(out, (lane_trees)(flat + g), G, nullptr);
+      for (int i = 0; i < G && g + i < N; ++i) {
+        const int r = (g + i) / C, c = (g + i) % C;
+        y[r * ldy + c] = bias != nullptr ? out[i] + bias[c] : out[i];
+      }
+    }
+    return;
+  }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
-      if constexpr (LANES) {
+      if constexpr (OUT == Out::lanes) {
         Lanes::store(y + (r * C + c) * 16, acc[r][c]);
       } else {
         float s = Lanes::sum(acc[r][c]);
@@ -76,15 +100,15 @@ static void tile(const float* x, int64_t ldx, const WT* w, int64_t ldw, int64_t 
 
 // The tile of `rows` x `cols` (at most Lanes::ROWS x Lanes::cols(rows)), found by a search over the
 // instantiations: a few comparisons per tile, against a K loop of K / 16 steps.
-template <int R, int C, typename WT, bool LANES = false>
+template <int R, int C, typename WT, Out OUT = Out::sum>
 static void any_tile(int rows, int cols, const float* x, int64_t ldx, const WT* w, int64_t ldw, int64_t K,
                      const float* bias, float* y, int64_t ldy) {
   if (rows == R && cols == C) {
-    tile<R, C, WT, LANES>(x, ldx, w, ldw, K, bias, y, ldy);
+    tile<R, C, WT, OUT>(x, ldx, w, ldw, K, bias, y, ldy);
   } else if constexpr (C > 1) {
-    any_tile<R, C - 1, WT, LANES>(rows, cols, x, ldx, w, ldw, K, bias, y, ldy);
+    any_tile<R, C - 1, WT, OUT>(rows, cols, x, ldx, w, ldw, K, bias, y, ldy);
   } else if constexpr (R > 1) {
-    any_tile<R - 1, Lanes::cols(R - 1), WT, LANES>(rows, cols, x, ldx, w, ldw, K, bias, y, ldy);
+    any_tile<R - 1, Lanes::cols(R - 1), WT, OUT>(rows, cols, x, ldx, w, ldw, K, bias, y, ldy);
   }
 }
 
@@ -117,7 +141,8 @@ static constexpr int TILE_OUTPUTS = tile_outputs();
 // s K on): each output the shard tree, (0+1), (2+3), ..., of its shards' products, each in the order
 // of `tile`. A tile's lanes for every shard go to `lanes` (S * TILE_OUTPUTS * 16 floats, the 16 past
 // the last zeroed by the caller) and their lane trees are `sums`, GROUP outputs at a time: the same
-// tree as Lanes::sum, a few instructions an output instead of one horizontal sum each.
+// tree as Lanes::sum, a few instructions an output instead of one horizontal sum each. S = 1 (the
+// attention's scores): each tile's outputs summed in registers (`Out::trees`); `lanes` is not read.
 template <typename WT>
 static void shard_columns(const float* x, int64_t M, int64_t ldx, const WT* const* ws, int64_t ldw, int64_t S, int64_t K,
                           float* y, int64_t ldy, int64_t n0, int64_t n1, float* lanes) {
@@ -127,9 +152,15 @@ static void shard_columns(const float* x, int64_t M, int64_t ldx, const WT* cons
     const int width = Lanes::cols(rows);
     for (int64_t n = n0; n < n1; n += width) {
       const int cols = int(n1 - n < width ? n1 - n : width), outputs = rows * cols;
+      if (S == 1) {  // (attention's scores) no tree: the outputs' sums in registers
+        any_tile<Lanes::ROWS, Lanes::cols(Lanes::ROWS), WT, Out::trees>(rows, cols, x + m * ldx, ldx, ws[0] + n * ldw,
+                                                                       ldw, K, nullptr, y + m * ldy + n, ldy);
+        continue;
+      }
       for (int64_t s = 0; s < S; ++s)
-        any_tile<Lanes::ROWS, Lanes::cols(Lanes::ROWS), WT, true>(rows, cols, x + m * ldx + s * K, ldx, ws[s] + n * ldw,
-                                                                 ldw, K, nullptr, lanes + s * outputs * 16, 0);
+        any_tile<Lanes::ROWS, Lanes::cols(Lanes::ROWS), WT, Out::lanes>(rows, cols, x + m * ldx + s * K, ldx,
+                                                                       ws[s] + n * ldw, ldw, K, nullptr,
+                                                                       lanes + s * outputs * 16, 0);
       sums(lanes, S * outputs, nullptr, totals);
       for (int64_t step = 1; step < S; step *= 2)
         for (int64_t s = 0; s < S; s += 2 * step)
