@@ -99,13 +99,13 @@ struct Scratch {
 struct Packed {
   std::vector<int64_t> of_slot;  // slot -> its pack, or -1
   std::vector<int64_t> length, offset;
-  int64_t kv_heads, dim;
+  int64_t dim16;  // a row's floats in a pack: the head dim padded to 16s
   at::Tensor data;  // every pack's keys, then every pack's values
 
   template <typename LengthOf>
   Packed(const float* k, const float* v, const int64_t* slots, const std::vector<int64_t>& starts, int64_t max_len,
          int64_t kv_heads, int64_t dim, const LengthOf& length_of)
-      : kv_heads(kv_heads), dim(dim) {
+      : dim16((dim + 15) / 16 * 16) {
     std::vector<int64_t> slot_of;
     for (size_t b = 0; b + 1 < starts.size(); ++b) {
       if (starts[b + 1] - starts[b] < 2) continue;
@@ -114,7 +114,6 @@ struct Packed {
       if (of_slot[slot] < 0) of_slot[slot] = int64_t(slot_of.size()), slot_of.push_back(slot), length.push_back(0);
       length[of_slot[slot]] = std::max(length[of_slot[slot]], length_of(int64_t(b)));
     }
-    const int64_t dim16 = (dim + 15) / 16 * 16;
     offset.assign(1, 0);
     for (int64_t l : length) offset.push_back(offset.back() + l * kv_heads * dim16);
     data = dim % 16 ? at::zeros({2 * offset.back()}, at::kFloat) : at::empty({2 * offset.back()}, at::kFloat);
@@ -136,7 +135,7 @@ struct Packed {
     });
   }
   const float* keys(int64_t pack, int64_t kvh) const {
-    return data.data_ptr<float>() + offset[pack] + kvh * length[pack] * ((dim + 15) / 16 * 16);
+    return data.data_ptr<float>() + offset[pack] + kvh * length[pack] * dim16;
   }
   const float* values(int64_t pack, int64_t kvh) const { return keys(pack, kvh) + offset.back(); }
 };

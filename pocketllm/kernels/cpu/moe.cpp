@@ -32,8 +32,8 @@ static void product(const at::Tensor& rows, int64_t n, const at::Tensor& weight,
 }
 
 // x [T, H] fp32; topk_ids [T, K] int64; w_gate_up [E, 2I, H] (gate rows, then up), w_down [E, H, I]
-// or [E, S, H, I/S] (S shards of I, such as the view w_down.view(E, H, S, I/S).transpose(1, 2)), both fp32 or both bf16 -> [T * K, H]: row t * K + k is expert
-// topk_ids[t, k]'s output for token t. `dot` (bf16 experts): every product on bf16 dot products.
+// or [E, S, H, I/S] (S shards of I, such as the view w_down.view(E, H, S, I/S).transpose(1, 2)), both
+// fp32 or both bf16 -> [T * K, H]: row t * K + k is expert topk_ids[t, k]'s output for token t. `dot` (bf16 experts): every product on bf16 dot products.
 at::Tensor moe_experts(at::Tensor x, at::Tensor topk_ids, at::Tensor w_gate_up, at::Tensor w_down, bool dot) {
   TORCH_CHECK_VALUE(x.dtype() == at::kFloat && x.dim() == 2 && x.device().is_cpu(), "x must be fp32 [T, H] on the CPU");
   TORCH_CHECK_VALUE(topk_ids.dtype() == at::kLong && topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0),
