@@ -108,7 +108,8 @@ def test_a_row_is_the_same_in_any_row_count_and_position(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("m, n, k", [(15, 50, 83), (16, 50, 83), (63, 97, 17), (64, 149, 600), (65, 7, 1029),
-                                     (127, 49, 5), (129, 100, 512), (200, 53, 33), (512, 20, 100)])
+                                     (127, 49, 5), (129, 100, 512), (200, 53, 33), (512, 20, 100),
+                                     (17, 35, 2071), (33, 40, 4100)])
 def test_many_rows_are_each_row_alone_and_the_documented_order(variant, m, n, k, threads):
     x, w, b = _data(m, n, k, seed=m + k, bias=m % 2 == 1)
     got = EXT.linear(x, w, b, variant)  # at `threads` threads, the rows alone at 1
@@ -145,7 +146,7 @@ def test_the_avx2_variant_gives_the_avx512_bits(k):
     x, w, b = _data(11, 45, k, seed=k)  # 8-row and 3-row tiles (AVX-512) against 4-row ones (AVX2)
     assert torch.equal(EXT.linear(x, w, b, "avx2"), EXT.linear(x, w, b, "avx512"))
     assert torch.equal(EXT.linear(x, w, b), EXT.linear(x, w, b, "avx512"))
-    x, w, b = _data(70, 101, k, seed=k)  # many rows: groups of 8 rows x 3 columns against 6 x 1
+    x, w, b = _data(70, 101, k, seed=k)  # many rows: tiles of 8 rows x 48 columns against 6 x 16
     assert torch.equal(EXT.linear(x, w, b, "avx2"), EXT.linear(x, w, b, "avx512"))
 
 

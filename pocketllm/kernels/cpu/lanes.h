@@ -43,13 +43,16 @@ struct Lanes {
   }
   static inline V fma(V a, V b, V acc) { return _mm512_fmadd_ps(a, b, acc); }
   static inline V broadcast(float x) { return _mm512_set1_ps(x); }
+  static inline V broadcast(const float* p) { return _mm512_set1_ps(*p); }  // (a load: bits as they are)
   // attend.h's weighted sums: 4 rows x 4 column vectors (16 accumulators, 4 of values, 1 broadcast).
   static constexpr int WEIGHTED_ROWS = 4;
   static constexpr int WEIGHTED_COLS = 4;
   static inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static inline void store_tail(float* p, V v, int n) { _mm512_mask_storeu_ps(p, __mmask16((1u << n) - 1u), v); }
   // Keeps v in a register: GCC would fold its load into each FMA that uses it, one load per FMA.
   static inline void in_register(V& v) { asm("" : "+v"(v)); }
-  // Many rows: 8 rows x 3 columns (24 accumulators).
+  // Many rows (tile.h's lane-major tiles): 8 rows x 3 vectors of 16 columns (24 accumulators; 8
+  // broadcasts and 3 loads of W per 24 FMAs).
   static constexpr int PANEL_ROWS = 8;
   static constexpr int PANEL_C = 3;
   static inline float sum(V v) {
@@ -124,6 +127,10 @@ struct Lanes {
     return {_mm256_fmadd_ps(a.lo, b.lo, acc.lo), _mm256_fmadd_ps(a.hi, b.hi, acc.hi)};
   }
   static inline V broadcast(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+  static inline V broadcast(const float* p) {
+    const __m256 b = _mm256_broadcast_ss(p);
+    return {b, b};
+  }
   // attend.h's weighted sums: 6 rows x 1 column vector (12 of 16 registers accumulate; each value
   // vector loaded once for 6 rows, where 2 x 2 read the values three times as often: 1.2x on Zen 3).
   static constexpr int WEIGHTED_ROWS = 6;
@@ -132,9 +139,13 @@ struct Lanes {
     _mm256_storeu_ps(p, v.lo);
     _mm256_storeu_ps(p + 8, v.hi);
   }
+  static inline void store_tail(float* p, V v, int n) {  // the first n <= 16 lanes
+    _mm256_maskstore_ps(p, _mm256_castps_si256(mask(n)), v.lo);
+    _mm256_maskstore_ps(p + 8, _mm256_castps_si256(mask(n - 8)), v.hi);
+  }
   static inline void in_register(V& v) { asm("" : "+v"(v.lo), "+v"(v.hi)); }
-  // Many rows: 6 rows x 1 column (12 accumulators, 2 registers for W; an x feeds one FMA, which
-  // loads it).
+  // Many rows (tile.h's lane-major tiles): 6 rows x 16 columns (12 accumulators, 2 registers of W,
+  // one broadcast x: 8 loads per 12 FMAs, where a tile of whole outputs loads 14).
   static constexpr int PANEL_ROWS = 6;
   static constexpr int PANEL_C = 1;
   static inline float sum(V v) {
@@ -155,6 +166,7 @@ struct Lanes {
   template <int IMM>
   static inline S shuffle(S a, S b) { return _mm256_shuffle_ps(a, b, IMM); }
   static inline S add(S a, S b) { return _mm256_add_ps(a, b); }
+  static inline V add(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
   static inline S in_order(S s) {  // element 4q+t holds output 2t+q
     return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   }

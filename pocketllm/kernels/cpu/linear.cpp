@@ -195,8 +195,8 @@ static void run(const Variant& variant, const float* xp, int64_t ldx, int64_t M,
   const int64_t group = variant.panel_rows, groups = (M + group - 1) / group, steps = (K + 15) / 16;
   const int64_t block = panel_block_columns(S * K), blocks = (N + block - 1) / block;
   const int64_t acc = avx512::PANEL_ROWS * avx512::PANEL_COLS * 16, shard_packed = groups * group * steps * 16;
-  // panel_columns' tree: the shard being summed and one level per halving of S (S a power of two)
-  const int64_t tree = S == 1 ? 0 : (__builtin_ctzll(uint64_t(S)) + 2) * avx512::PANEL_ROWS * avx512::PANEL_COLS;
+  // panel_columns' tree: one slot per level of the shard tree, the last one the whole sum (S a power of two)
+  const int64_t tree = S == 1 ? 0 : (__builtin_ctzll(uint64_t(S)) + 1) * avx512::PANEL_ROWS * avx512::PANEL_COLS;
   at::Tensor packed = at::empty({S * shard_packed}, at::kFloat);
   float* pp = packed.data_ptr<float>();
   std::atomic<int64_t> next_group{0}, packed_groups{0}, next_block{0};

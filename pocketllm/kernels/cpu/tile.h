@@ -172,104 +172,168 @@ static void shard_columns(const float* x, int64_t M, int64_t ldx, const WT* cons
   }
 }
 
-// -- Many rows: x and W packed, K in blocks, accumulators carried in a buffer ----------------------
-// A tile above reads its R rows of x and C rows of W over the whole of K for R * C outputs; for many
-// rows those reads, R + C streams K * 4 bytes apart (sharing L1 sets when K * 4 is a multiple of
-// 4 KiB), come from L2 and bound the tile. For many rows the same outputs are computed in another
-// loop order: x is packed by groups of PANEL_ROWS rows (pack_rows), a block of PANEL_COLS columns of
-// W by tiles (pack_columns), each in the order the tiles read it, with the tail step zero-padded as
-// a tile above loads it (so it is one more step like the others). A group's outputs for the block are
-// carried over K in blocks of PANEL_STEPS 16-lane steps: each block's tiles load their accumulators
-// from a buffer (or start at +0 for the first block), continue each lane's FMAs in increasing k and
-// store them back, so every lane gets the FMA sequence a tile above gives it, only interrupted by an
-// exact fp32 store and load. A group's packed rows of one K block stay in L1 across the block's tiles,
-// the packed block of W in L2 across the groups. The lane tree and the bias are sums, on the
-// buffer.
+// -- Many rows: lane-major packed tiles, K in blocks, accumulators carried in a buffer ----------------
+// A tile above holds one output's 16 lanes in a vector and reads a vector of x for every vector of W
+// (R + C loads per R * C FMAs): for many rows that bounds it on the loads. The lanes are independent
+// FMA chains, so for many rows the same chains run in another shape: lane l of 16 outputs side by
+// side in one vector, each step adding the broadcast x[m, k] times 16 columns' w[n, k] for one k of
+// lane l (a GEMM's outer product, one broadcast and C vectors of W per R * C FMAs). x is packed by
+// groups of PANEL_ROWS rows (pack_rows), a block of PANEL_COLS columns of W by tiles of 16 * PANEL_C
+// columns (pack_columns), lane by lane, each in the order the tiles read it, the tail step zero-padded
+// as a tile above loads it and W's columns past the block zero. A group's outputs are carried over K
+// in blocks of PANEL_STEPS steps: each block loads every lane's accumulators from a buffer (or starts
+// at +0), continues its FMAs in increasing k and stores them back, so every lane gets the FMA sequence
+// a tile above gives it, only interrupted by an exact fp32 store and load. The lane tree is then the
+// same adds on whole vectors of outputs (`column_tree`), and the bias added after it.
 static constexpr int PANEL_ROWS = Lanes::PANEL_ROWS;
 static constexpr int PANEL_C = Lanes::PANEL_C;
-static constexpr int64_t PANEL_COLS = 96;  // a multiple of 16 (sums) and of PANEL_C
-static constexpr int64_t PANEL_STEPS = 32;
+static constexpr int64_t PANEL_TILE = 16 * PANEL_C;  // columns of one tile
+static constexpr int64_t PANEL_COLS = 96;  // a multiple of every variant's PANEL_TILE
+static constexpr int64_t PANEL_STEPS = 128;
+static_assert(PANEL_COLS % PANEL_TILE == 0, "a block is whole tiles");
 
 // The 16-lane steps of K, the zero-padded tail included.
 static inline int64_t steps_of(int64_t K) { return (K + 15) / 16; }
 
-// Step s of `src` (a row of K floats or bf16s), as fp32, zero-padded past K.
-template <typename T>
-static inline typename Lanes::V load_step(const T* src, int64_t K, int64_t s) {
-  return 16 * s + 16 <= K ? Lanes::load(src + 16 * s) : Lanes::load_tail(src + 16 * s, int(K - 16 * s));
-}
-
-// Rows [m0, m0 + rows) of x into xp: step s of row r at xp + (s * rows + r) * 16.
+// Rows [m0, m0 + rows) of x into xp, by K blocks of PANEL_STEPS steps: in the block from step s0 (at
+// xp + s0 * 16 * rows), x[m0 + r, 16 (s0 + t) + l] at + (l * steps + t) * rows + r, zero past K.
 static void pack_rows(const float* x, int64_t ldx, int64_t K, int64_t m0, int rows, float* xp) {
-  for (int64_t s = 0; s < steps_of(K); ++s)
-    for (int r = 0; r < rows; ++r) Lanes::store(xp + (s * rows + r) * 16, load_step(x + (m0 + r) * ldx, K, s));
-}
-
-// Columns [n0, n1) of W into wp (steps_of(K) * (n1 - n0) * 16 floats, widened to fp32): the K block of steps [s0, s0 +
-// steps) from wp + s0 * (n1 - n0) * 16, in it the tile of columns [n, n + cols) from + (n - n0) * steps
-// * 16, in it step s of column c at + (s * cols + c) * 16, so that every tile reads one stream.
-template <typename WT>
-static void pack_columns(const WT* w, int64_t ldw, int64_t K, int64_t n0, int64_t n1, float* wp) {
   const int64_t S = steps_of(K);
   for (int64_t s0 = 0; s0 < S; s0 += PANEL_STEPS) {
     const int64_t steps = S - s0 < PANEL_STEPS ? S - s0 : PANEL_STEPS;
-    for (int64_t n = n0; n < n1; n += PANEL_C) {
-      const int cols = int(n1 - n < PANEL_C ? n1 - n : PANEL_C);
-      for (int64_t s = 0; s < steps; ++s)
-        for (int c = 0; c < cols; ++c) Lanes::store(wp + (s * cols + c) * 16, load_step(w + (n + c) * ldw, K, s0 + s));
-      wp += steps * cols * 16;
+    float* block = xp + s0 * 16 * rows;
+    for (int r = 0; r < rows; ++r) {
+      const float* row = x + (m0 + r) * ldx;
+      for (int64_t t = 0; t < steps; ++t)
+        for (int l = 0; l < 16; ++l) {
+          const int64_t k = 16 * (s0 + t) + l;
+          block[(l * steps + t) * rows + r] = k < K ? row[k] : 0.0f;
+        }
     }
   }
 }
 
-// `steps` (>= 1) steps of R packed rows by C packed columns on acc[r][c] (at acc + (r * PANEL_COLS + c)
-// * 16), from +0 when FIRST.
+// Elements [k, k + 8) of a row of K (floats, or bf16s widened exactly), zero past K.
+static inline __m256 eight(const float* row, int64_t K, int64_t k) {
+  if (k + 8 <= K) return _mm256_loadu_ps(row + k);
+  const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(K - k > 0 ? K - k : 0)), index);
+  return _mm256_maskload_ps(row + k, keep);
+}
+static inline __m256 eight(const BF16* row, int64_t K, int64_t k) {
+  BF16 buffer[8] = {};
+  const BF16* p = row + k;
+  if (k + 8 > K) {
+    for (int64_t i = k; i < K; ++i) buffer[i - k] = row[i];
+    p = buffer;
+  }
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// An 8 x 8 block transposed in registers (shuffles only: every bit moved, none changed).
+static inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// Columns [n0, n1) of W into wp, widened to fp32, by K blocks: the block from step s0 at wp + s0 *
+// padded * 16 (padded: n1 - n0 rounded up to whole tiles), in it the tile of columns [n, n + PANEL_TILE)
+// at + (n - n0) * steps * 16, in it lane l's step t at + (l * steps + t) * PANEL_TILE: w[n + j, 16 (s0
+// + t) + l] for j in [0, PANEL_TILE), zero past K and past n1. 8 columns by 8 lanes at a time, 8 rows
+// of W read along the block's steps (8 streams: 16 would share an L1 set when rows lie 4 KiB apart).
+template <typename WT>
+static void pack_columns(const WT* w, int64_t ldw, int64_t K, int64_t n0, int64_t n1, float* wp) {
+  const int64_t S = steps_of(K), width = n1 - n0, padded = (width + PANEL_TILE - 1) / PANEL_TILE * PANEL_TILE;
+  for (int64_t s0 = 0; s0 < S; s0 += PANEL_STEPS) {
+    const int64_t steps = S - s0 < PANEL_STEPS ? S - s0 : PANEL_STEPS;
+    for (int64_t j0 = 0; j0 < padded; j0 += 8) {
+      float* tile = wp + s0 * padded * 16 + (j0 / PANEL_TILE) * PANEL_TILE * steps * 16 + j0 % PANEL_TILE;
+      for (int64_t t = 0; t < steps; ++t)
+        for (int half = 0; half < 2; ++half) {
+          __m256 r[8];
+          for (int j = 0; j < 8; ++j)
+            r[j] = j0 + j < width ? eight(w + (n0 + j0 + j) * ldw, K, 16 * (s0 + t) + 8 * half) : _mm256_setzero_ps();
+          transpose8(r);
+          for (int l = 0; l < 8; ++l) _mm256_storeu_ps(tile + ((8 * half + l) * steps + t) * PANEL_TILE, r[l]);
+        }
+    }
+  }
+}
+
+// `steps` (>= 1) steps of every lane of R packed rows by C vectors of 16 packed columns: lane l's
+// accumulators at acc + l * PANEL_ROWS * C * 16, row r's vector c at + (r * C + c) * 16, from +0 when FIRST.
 template <int R, int C, bool FIRST>
 static void panel_tile(const float* xp, const float* wp, int64_t steps, float* acc) {
-  typename Lanes::V a[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) a[r][c] = FIRST ? Lanes::zero() : Lanes::load(acc + (r * PANEL_COLS + c) * 16);
-  do {  // (not a for loop: GCC would keep a copy of a[][] on the stack for steps == 0)
-    typename Lanes::V wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = Lanes::load(wp + c * 16);
-    for (int r = 0; r < R; ++r) {
-      typename Lanes::V xv = Lanes::load(xp + r * 16);
-      if constexpr (C > 1) Lanes::in_register(xv);  // one load for C FMAs
-      for (int c = 0; c < C; ++c) a[r][c] = Lanes::fma(xv, wv[c], a[r][c]);
-    }
-    xp += R * 16;
-    wp += C * 16;
-  } while (--steps > 0);
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) Lanes::store(acc + (r * PANEL_COLS + c) * 16, a[r][c]);
+  for (int l = 0; l < 16; ++l, acc += PANEL_ROWS * C * 16) {
+    typename Lanes::V a[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) a[r][c] = FIRST ? Lanes::zero() : Lanes::load(acc + (r * C + c) * 16);
+    const float* x = xp + l * steps * R;
+    const float* w = wp + l * steps * C * 16;
+    int64_t t = steps;
+    do {  // (not a for loop: GCC would keep a copy of a[][] on the stack for steps == 0)
+      typename Lanes::V wv[C];
+      for (int c = 0; c < C; ++c) wv[c] = Lanes::load(w + c * 16);
+      for (int r = 0; r < R; ++r) {
+        typename Lanes::V xv = Lanes::broadcast(x + r);
+        if constexpr (C > 1) Lanes::in_register(xv);  // one broadcast for C FMAs
+        for (int c = 0; c < C; ++c) a[r][c] = Lanes::fma(xv, wv[c], a[r][c]);
+      }
+      x += R;
+      w += C * 16;
+    } while (--t > 0);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) Lanes::store(acc + (r * C + c) * 16, a[r][c]);
+  }
 }
 
 using PanelFn = void (*)(const float*, const float*, int64_t, float*);
 
-// panel_tile<rows, cols, first>, for 1 <= rows <= R and 1 <= cols <= C.
-template <int R, int C>
-static PanelFn panel_fn(int rows, int cols, bool first) {
-  if (rows == R && cols == C) return first ? panel_tile<R, C, true> : panel_tile<R, C, false>;
-  if constexpr (C > 1) return panel_fn<R, C - 1>(rows, cols, first);
-  if constexpr (R > 1) return panel_fn<R - 1, PANEL_C>(rows, cols, first);
+// panel_tile<rows, PANEL_C, first>, for 1 <= rows <= R.
+template <int R>
+static PanelFn panel_fn(int rows, bool first) {
+  if (rows == R) return first ? panel_tile<R, PANEL_C, true> : panel_tile<R, PANEL_C, false>;
+  if constexpr (R > 1) return panel_fn<R - 1>(rows, first);
   return nullptr;
+}
+
+// The lane tree of linear.cpp's order on 16 outputs at once: lane l's vector at lanes + l * stride.
+static inline typename Lanes::V column_tree(const float* lanes, int64_t stride) {
+  typename Lanes::V s[8];
+  for (int j = 0; j < 8; ++j) s[j] = Lanes::add(Lanes::load(lanes + j * stride), Lanes::load(lanes + (j + 8) * stride));
+  for (int half = 4; half >= 1; half /= 2)
+    for (int j = 0; j < half; ++j) s[j] = Lanes::add(s[j], s[j + half]);
+  return s[0];
 }
 
 // Output columns [n0, n1) (at most PANEL_COLS) of every row, for W in S shards of K columns each (shard s:
 // ws[s], [N, K] with rows ldw apart; S = 1: one matrix), from x packed by groups of PANEL_ROWS rows per
 // shard (shard s's group g at xp + s * xstride + g * PANEL_ROWS * steps_of(K) * 16). Each shard's
-// outputs are carried over its K, their lanes summed by `sums`; S > 1 (no bias): the shards' sums are
+// outputs are carried over its K, then summed by `column_tree`; S > 1 (no bias): the shards' sums are
 // added in the shard tree, (0+1), (2+3), ..., then pairs of those, kept level by level in `tree`
-// (at least (log2 S + 2) * PANEL_ROWS * PANEL_COLS floats) as each shard ends, so that no shard's
-// products ever leave the cache. Scratch: acc, PANEL_ROWS * PANEL_COLS * 16 floats, zeroed (sums reads
-// the lanes past a narrow block's last column too), and wp, S * PANEL_COLS * steps_of(K) * 16 floats.
-// Which columns a call gets changes who computes a column, never how.
+// (at least (log2 S + 1) * PANEL_ROWS * PANEL_COLS floats) as each shard ends, so that no shard's
+// products ever leave the cache. Scratch: acc, PANEL_ROWS * PANEL_COLS * 16 floats, and wp, S *
+// PANEL_COLS * steps_of(K) * 16 floats. Which columns a call gets changes who computes a column, never how.
 template <typename WT>
 static void panel_columns(const float* xp, int64_t xstride, int64_t M, int64_t K, const WT* const* ws, int64_t ldw,
                           int64_t S, const float* bias, float* y, int64_t ldy, int64_t n0, int64_t n1, float* acc,
                           float* wp, float* tree) {
-  const int64_t steps_k = steps_of(K), width = n1 - n0, shard_packed = steps_k * width * 16;
-  const int narrow = int((width - 1) % PANEL_C) + 1;
+  const int64_t steps_k = steps_of(K), width = n1 - n0;
+  const int64_t padded = (width + PANEL_TILE - 1) / PANEL_TILE * PANEL_TILE, shard_packed = steps_k * padded * 16;
   for (int64_t s = 0; s < S; ++s) pack_columns(ws[s], ldw, K, n0, n1, wp + s * shard_packed);
   const int64_t outputs = PANEL_ROWS * PANEL_COLS;
   for (int64_t m = 0; m < M; m += PANEL_ROWS) {
@@ -279,38 +343,35 @@ static void panel_columns(const float* xp, int64_t xstride, int64_t M, int64_t K
       const float* wg = wp + shard * shard_packed;
       for (int64_t s0 = 0; s0 < steps_k; s0 += PANEL_STEPS) {
         const int64_t steps = steps_k - s0 < PANEL_STEPS ? steps_k - s0 : PANEL_STEPS;
-        const PanelFn wide = panel_fn<PANEL_ROWS, PANEL_C>(rows, PANEL_C, s0 == 0);
-        const PanelFn last = panel_fn<PANEL_ROWS, PANEL_C>(rows, narrow, s0 == 0);
-        // The next K block's (or group's) packed rows follow this one's: fetched into L2 a slice per tile,
-        // as the hardware would not across its pages, so that the next pass does not wait on L3.
+        const PanelFn run = panel_fn<PANEL_ROWS>(rows, s0 == 0);
         const float* panel = xg + s0 * rows * 16;
-        const char* next = reinterpret_cast<const char*>(panel + steps * rows * 16);
-        const char* end = reinterpret_cast<const char*>(xp + shard * xstride +
-                                                        ((M + PANEL_ROWS - 1) / PANEL_ROWS) * PANEL_ROWS * steps_k * 16);
-        const int64_t slice = (steps * rows * 64 / ((width + PANEL_C - 1) / PANEL_C) + 63) / 64 * 64;
-        for (int64_t n = 0; n < width; n += PANEL_C, next += slice) {
-          for (const char* p = next; p < next + slice && p < end; p += 64) _mm_prefetch(p, _MM_HINT_T1);
-          (n + PANEL_C < width ? wide : last)(panel, wg + (s0 * width + n * steps) * 16, steps, acc + n * 16);
+        for (int64_t n = 0; n < padded; n += PANEL_TILE)
+          run(panel, wg + (s0 * padded + n * steps) * 16, steps, acc + n * PANEL_ROWS * 16);
+      }
+      // This shard's sums (S = 1: the outputs), then the tree: slot l holds the sum of the last 2^l
+      // shards' left half while the right half is being computed; a shard's sums go to the slot its
+      // subtree's sum will be kept in, one past those of the left halves it is added to.
+      const int64_t level = __builtin_ctzll(~uint64_t(shard));
+      float* sum = tree + level * outputs;
+      for (int64_t n = 0; n < padded; n += 16)
+        for (int r = 0; r < rows; ++r) {
+          const int64_t c = n % PANEL_TILE / 16, lanes = n / PANEL_TILE * PANEL_TILE * PANEL_ROWS * 16;
+          typename Lanes::V v = column_tree(acc + lanes + (r * PANEL_C + c) * 16, PANEL_ROWS * PANEL_C * 16);
+          const int count = int(width - n < 16 ? width - n : 16);
+          if (S > 1) {
+            Lanes::store(sum + r * PANEL_COLS + n, v);
+          } else {
+            if (bias != nullptr) v = Lanes::add(v, Lanes::load_tail(bias + n0 + n, count));
+            Lanes::store_tail(y + (m + r) * ldy + n0 + n, v, count);
+          }
         }
-      }
-      if (S == 1) {
+      if (S == 1) continue;
+      for (int64_t left = 0; left < level; ++left) {
+        const float* half = tree + left * outputs;
         for (int r = 0; r < rows; ++r)
-          sums(acc + r * PANEL_COLS * 16, width, bias ? bias + n0 : nullptr, y + (m + r) * ldy + n0);
-        continue;
+          for (int64_t c = 0; c < width; ++c) sum[r * PANEL_COLS + c] = half[r * PANEL_COLS + c] + sum[r * PANEL_COLS + c];
       }
-      // This shard's sums, then the tree: level l holds the sum of the last 2^l shards' left half while
-      // the right half is being computed.
-      float* sum = tree;
-      for (int r = 0; r < rows; ++r) sums(acc + r * PANEL_COLS * 16, width, nullptr, sum + r * PANEL_COLS);
-      int64_t level = 0;
-      for (; (shard >> level) & 1; ++level) {
-        const float* left = tree + (level + 1) * outputs;
-        for (int r = 0; r < rows; ++r)
-          for (int64_t c = 0; c < width; ++c) sum[r * PANEL_COLS + c] = left[r * PANEL_COLS + c] + sum[r * PANEL_COLS + c];
-      }
-      if (shard + 1 < S) {
-        std::memcpy(tree + (level + 1) * outputs, sum, sizeof(float) * outputs);
-      } else {
+      if (shard + 1 == S) {
         for (int r = 0; r < rows; ++r) std::memcpy(y + (m + r) * ldy + n0, sum + r * PANEL_COLS, sizeof(float) * width);
       }
     }
