@@ -239,9 +239,9 @@ def test_the_avx2_implementation_is_registered_and_gives_the_default_bits():
 def test_the_kernel_sums_its_shards_as_one_call_per_shard_and_the_tree_do(variant, weights, shards, threads):
     """`linear_shards` (the row-parallel product's order in one call): bitwise each K slice's product
     by `linear`, summed in the fixed tree, for the direct and the packed tiles and slices with a tail
-    (widths 17, 40, 64); the shards as column slices of one matrix (read in place) give the same bits;
-    and a row's bits are those of the row alone."""
-    for width in (17, 40, 64):
+    (widths 17, 40, 64, and 2071: K blocks of the packed tiles); the shards as column slices of one
+    matrix (read in place) give the same bits; and a row's bits are those of the row alone."""
+    for width in (17, 40, 64, 2071):
         for m in (1, 2, 5, 15, 16, 20, 33):
             x, w, _ = _data(m, 37, shards * width, seed=m * width + shards, bias=False)
             w = w.to(getattr(torch, weights))

@@ -76,7 +76,7 @@ struct Variant {
   Kernels<float> fp32;
   Kernels<BF16> bf16;
   void (*pack_rows)(const float*, int64_t, int64_t, int64_t, int, float*);
-  int panel_rows;
+  int64_t (*panel_group)(int64_t);  // rows per group of the packed tiles, for S shards
   bool flush_denormals;  // DAZ and FTZ while it runs: the bf16 dot products' rule (`Denormals`)
 
   template <typename WT>
@@ -87,19 +87,19 @@ struct Variant {
 };
 static constexpr Variant AVX512{{avx512::columns<float>, avx512::panel_columns<float>, avx512::shard_columns<float>},
                                 {avx512::columns<BF16>, avx512::panel_columns<BF16>, avx512::shard_columns<BF16>},
-                                avx512::pack_rows, avx512::PANEL_ROWS, false};
+                                avx512::pack_rows, avx512::panel_group, false};
 static constexpr Variant AVX2{{avx2::columns<float>, avx2::panel_columns<float>, avx2::shard_columns<float>},
                               {avx2::columns<BF16>, avx2::panel_columns<BF16>, avx2::shard_columns<BF16>},
-                              avx2::pack_rows, avx2::PANEL_ROWS, false};
+                              avx2::pack_rows, avx2::panel_group, false};
 // The bf16 dot products: x and W as pairs of bf16s in 32-bit elements (`linear_bf16_dot`); only their
 // fp32 kernels run (a pair is one "fp32" element of the tiles, which load and store it bit for bit).
 static constexpr Variant AVX512_DOT{
     {avx512dot::columns<float>, avx512dot::panel_columns<float>, avx512dot::shard_columns<float>},
     {avx512dot::columns<BF16>, avx512dot::panel_columns<BF16>, avx512dot::shard_columns<BF16>},
-    avx512dot::pack_rows, avx512dot::PANEL_ROWS, true};
+    avx512dot::pack_rows, avx512dot::panel_group, true};
 static constexpr Variant AVX2_DOT{{avx2dot::columns<float>, avx2dot::panel_columns<float>, avx2dot::shard_columns<float>},
                                   {avx2dot::columns<BF16>, avx2dot::panel_columns<BF16>, avx2dot::shard_columns<BF16>},
-                                  avx2dot::pack_rows, avx2dot::PANEL_ROWS, true};
+                                  avx2dot::pack_rows, avx2dot::panel_group, true};
 
 // DAZ and FTZ on this thread while alive, where asked (VDPBF16PS's denormal rule, for its software
 // form and for the lane tree and bias of both forms); the thread's previous mode after.
@@ -192,7 +192,7 @@ static void run(const Variant& variant, const float* xp, int64_t ldx, int64_t M,
     });
     return;
   }
-  const int64_t group = variant.panel_rows, groups = (M + group - 1) / group, steps = (K + 15) / 16;
+  const int64_t group = variant.panel_group(S), groups = (M + group - 1) / group, steps = (K + 15) / 16;
   const int64_t block = panel_block_columns(S * K), blocks = (N + block - 1) / block;
   const int64_t acc = avx512::PANEL_ROWS * avx512::PANEL_COLS * 16, shard_packed = groups * group * steps * 16;
   // panel_columns' tree: one slot per level of the shard tree, the last one the whole sum (S a power of two)

@@ -275,54 +275,82 @@ static void pack_columns(const WT* w, int64_t ldw, int64_t K, int64_t n0, int64_
 }
 
 // `steps` (>= 1) steps of every lane of R packed rows by C vectors of 16 packed columns: lane l's
-// accumulators at acc + l * PANEL_ROWS * C * 16, row r's vector c at + (r * C + c) * 16, from +0 when FIRST.
-template <int R, int C, bool FIRST>
+// accumulators at acc + l * PANEL_ROWS * C * 16, row r's vector c at + (r * C + c) * 16, from +0 when
+// FIRST. PAIR: two lanes at once, j and j + 8, in half as many rows (for shards, whose short K
+// makes the accumulators' stores and the lane tree a large share), and on K's LAST block lane j's
+// slot gets lane j + lane (j + 8), the lane tree's first level, in registers.
+template <int R, int C, bool PAIR, bool FIRST, bool LAST>
 static void panel_tile(const float* xp, const float* wp, int64_t steps, float* acc) {
-  for (int l = 0; l < 16; ++l, acc += PANEL_ROWS * C * 16) {
-    typename Lanes::V a[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) a[r][c] = FIRST ? Lanes::zero() : Lanes::load(acc + (r * C + c) * 16);
-    const float* x = xp + l * steps * R;
-    const float* w = wp + l * steps * C * 16;
+  constexpr int H = PAIR ? 2 : 1;
+  constexpr int64_t LANE = PANEL_ROWS * C * 16;
+  for (int j = 0; j < 16 / H; ++j) {
+    typename Lanes::V a[H][R][C];
+    const float* x[H];
+    const float* w[H];
+    for (int h = 0; h < H; ++h) {
+      x[h] = xp + (j + 8 * h) * steps * R;
+      w[h] = wp + (j + 8 * h) * steps * C * 16;
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c)
+          a[h][r][c] = FIRST ? Lanes::zero() : Lanes::load(acc + (j + 8 * h) * LANE + (r * C + c) * 16);
+    }
     int64_t t = steps;
     do {  // (not a for loop: GCC would keep a copy of a[][] on the stack for steps == 0)
-      typename Lanes::V wv[C];
-      for (int c = 0; c < C; ++c) wv[c] = Lanes::load(w + c * 16);
-      for (int r = 0; r < R; ++r) {
-        typename Lanes::V xv = Lanes::broadcast(x + r);
-        if constexpr (C > 1) Lanes::in_register(xv);  // one broadcast for C FMAs
-        for (int c = 0; c < C; ++c) a[r][c] = Lanes::fma(xv, wv[c], a[r][c]);
+      for (int h = 0; h < H; ++h) {
+        typename Lanes::V wv[C];
+        for (int c = 0; c < C; ++c) wv[c] = Lanes::load(w[h] + c * 16);
+        for (int r = 0; r < R; ++r) {
+          typename Lanes::V xv = Lanes::broadcast(x[h] + r);
+          if constexpr (C > 1) Lanes::in_register(xv);  // one broadcast for C FMAs
+          for (int c = 0; c < C; ++c) a[h][r][c] = Lanes::fma(xv, wv[c], a[h][r][c]);
+        }
+        x[h] += R;
+        w[h] += C * 16;
       }
-      x += R;
-      w += C * 16;
     } while (--t > 0);
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) Lanes::store(acc + (r * C + c) * 16, a[r][c]);
+      for (int c = 0; c < C; ++c) {
+        float* slot = acc + j * LANE + (r * C + c) * 16;
+        if constexpr (PAIR && LAST) {
+          Lanes::store(slot, Lanes::add(a[0][r][c], a[H - 1][r][c]));
+        } else {
+          for (int h = 0; h < H; ++h) Lanes::store(slot + 8 * h * LANE, a[h][r][c]);
+        }
+      }
   }
 }
 
 using PanelFn = void (*)(const float*, const float*, int64_t, float*);
 
-// panel_tile<rows, PANEL_C, first>, for 1 <= rows <= R.
-template <int R>
-static PanelFn panel_fn(int rows, bool first) {
-  if (rows == R) return first ? panel_tile<R, PANEL_C, true> : panel_tile<R, PANEL_C, false>;
-  if constexpr (R > 1) return panel_fn<R - 1>(rows, first);
+// panel_tile<rows, PANEL_C, PAIR, first, last>, for 1 <= rows <= R.
+template <int R, bool PAIR>
+static PanelFn panel_fn(int rows, bool first, bool last) {
+  if (rows == R)
+    return first ? (last ? panel_tile<R, PANEL_C, PAIR, true, true> : panel_tile<R, PANEL_C, PAIR, true, false>)
+                 : (last ? panel_tile<R, PANEL_C, PAIR, false, true> : panel_tile<R, PANEL_C, PAIR, false, false>);
+  if constexpr (R > 1) return panel_fn<R - 1, PAIR>(rows, first, last);
   return nullptr;
 }
 
-// The lane tree of linear.cpp's order on 16 outputs at once: lane l's vector at lanes + l * stride.
+// linear.cpp's lane tree on 16 outputs at once, lane l's vector at lanes + l * stride; PAIR: from its
+// first level, s8[j] at lanes + j * stride (panel_tile's).
+template <bool PAIR>
 static inline typename Lanes::V column_tree(const float* lanes, int64_t stride) {
   typename Lanes::V s[8];
-  for (int j = 0; j < 8; ++j) s[j] = Lanes::add(Lanes::load(lanes + j * stride), Lanes::load(lanes + (j + 8) * stride));
+  for (int j = 0; j < 8; ++j)
+    s[j] = PAIR ? Lanes::load(lanes + j * stride) : Lanes::add(Lanes::load(lanes + j * stride), Lanes::load(lanes + (j + 8) * stride));
   for (int half = 4; half >= 1; half /= 2)
     for (int j = 0; j < half; ++j) s[j] = Lanes::add(s[j], s[j + half]);
   return s[0];
 }
 
+// Rows in a group of the packed tiles: PANEL_ROWS, or half as many for shards (S > 1), whose tiles take
+// two lanes at once (panel_tile's PAIR).
+static inline int64_t panel_group(int64_t S) { return S == 1 ? PANEL_ROWS : PANEL_ROWS / 2; }
+
 // Output columns [n0, n1) (at most PANEL_COLS) of every row, for W in S shards of K columns each (shard s:
-// ws[s], [N, K] with rows ldw apart; S = 1: one matrix), from x packed by groups of PANEL_ROWS rows per
-// shard (shard s's group g at xp + s * xstride + g * PANEL_ROWS * steps_of(K) * 16). Each shard's
+// ws[s], [N, K] with rows ldw apart; S = 1: one matrix), from x packed by groups of panel_group(S) rows per
+// shard (shard s's group g at xp + s * xstride + g * panel_group(S) * steps_of(K) * 16). Each shard's
 // outputs are carried over its K, then summed by `column_tree`; S > 1 (no bias): the shards' sums are
 // added in the shard tree, (0+1), (2+3), ..., then pairs of those, kept level by level in `tree`
 // (at least (log2 S + 1) * PANEL_ROWS * PANEL_COLS floats) as each shard ends, so that no shard's
@@ -335,15 +363,17 @@ static void panel_columns(const float* xp, int64_t xstride, int64_t M, int64_t K
   const int64_t steps_k = steps_of(K), width = n1 - n0;
   const int64_t padded = (width + PANEL_TILE - 1) / PANEL_TILE * PANEL_TILE, shard_packed = steps_k * padded * 16;
   for (int64_t s = 0; s < S; ++s) pack_columns(ws[s], ldw, K, n0, n1, wp + s * shard_packed);
-  const int64_t outputs = PANEL_ROWS * PANEL_COLS;
-  for (int64_t m = 0; m < M; m += PANEL_ROWS) {
-    const int rows = int(M - m < PANEL_ROWS ? M - m : PANEL_ROWS);
+  const int64_t outputs = PANEL_ROWS * PANEL_COLS, group = panel_group(S);
+  for (int64_t m = 0; m < M; m += group) {
+    const int rows = int(M - m < group ? M - m : group);
     for (int64_t shard = 0; shard < S; ++shard) {
       const float* xg = xp + shard * xstride + m * steps_k * 16;
       const float* wg = wp + shard * shard_packed;
       for (int64_t s0 = 0; s0 < steps_k; s0 += PANEL_STEPS) {
         const int64_t steps = steps_k - s0 < PANEL_STEPS ? steps_k - s0 : PANEL_STEPS;
-        const PanelFn run = panel_fn<PANEL_ROWS>(rows, s0 == 0);
+        const bool first = s0 == 0, last = s0 + steps == steps_k;
+        const PanelFn run = S > 1 ? panel_fn<PANEL_ROWS / 2, true>(rows, first, last)
+                                  : panel_fn<PANEL_ROWS, false>(rows, first, last);
         const float* panel = xg + s0 * rows * 16;
         for (int64_t n = 0; n < padded; n += PANEL_TILE)
           run(panel, wg + (s0 * padded + n * steps) * 16, steps, acc + n * PANEL_ROWS * 16);
@@ -356,7 +386,9 @@ static void panel_columns(const float* xp, int64_t xstride, int64_t M, int64_t K
       for (int64_t n = 0; n < padded; n += 16)
         for (int r = 0; r < rows; ++r) {
           const int64_t c = n % PANEL_TILE / 16, lanes = n / PANEL_TILE * PANEL_TILE * PANEL_ROWS * 16;
-          typename Lanes::V v = column_tree(acc + lanes + (r * PANEL_C + c) * 16, PANEL_ROWS * PANEL_C * 16);
+          const float* lane0 = acc + lanes + (r * PANEL_C + c) * 16;
+          typename Lanes::V v = S > 1 ? column_tree<true>(lane0, PANEL_ROWS * PANEL_C * 16)
+                                      : column_tree<false>(lane0, PANEL_ROWS * PANEL_C * 16);
           const int count = int(width - n < 16 ? width - n : 16);
           if (S > 1) {
             Lanes::store(sum + r * PANEL_COLS + n, v);
