@@ -169,6 +169,23 @@ def test_every_row_is_the_documented_order(variant, layout):
         assert torch.equal(got[i], _documented_order(q[i], k, v, slot, position, scale)), (i, slot, position)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("layout", [(4, 4, 16), (16, 2, 24)], ids=str)
+def test_scores_by_packed_and_direct_tiles_are_the_documented_order(variant, layout):
+    """A block's scores run the packed tiles over its pack's whole groups of keys when it has more than
+    8 query vectors, else the direct tiles: blocks of 8 and 9 vectors (the choice), of 128 (more than
+    one block of packed columns), ending inside a group of keys with the pack longer or not."""
+    k, v, scale = _cache(layout, length=48, seed=8)
+    attention_rows = load_extension().attention_rows
+    rows = {0: range(0, 25), 1: range(5, 13), 2: range(30, 47)}  # blocks: 16 + 9, 8, 16 + 1 rows
+    slots = [slot for slot, positions in rows.items() for _ in positions]
+    positions = [p for ps in rows.values() for p in ps]
+    q = torch.randn(len(slots), layout[0], layout[2])
+    got = attention_rows(q, k, v, _long(slots), _long(positions), scale, variant)
+    for i, (slot, position) in enumerate(zip(slots, positions)):
+        assert torch.equal(got[i], _documented_order(q[i], k, v, slot, position, scale)), (i, slot, position)
+
+
 def test_the_documented_exp_is_within_two_ulps_of_e_to_the_x():
     x = torch.cat([torch.linspace(-87.0, 0.0, 200_001), -torch.rand(100_000) * 5]).float()
     want = torch.exp(x.double())

@@ -35,19 +35,30 @@ static void any_weighted_tile(int rows, int cols, const float* p, int64_t ldp, c
 }
 
 // The item's n = rows x group query vectors (vector i: row i / group, query head h0 + i % group),
-// over keys/values 0 .. length - 1 of one K/V head (row j at keys/values + j * stride; vector i
-// reads the keys 0 .. last[i]). Scratch (Scratch in attention.cpp): qb [n, dim], scores [length, n]
-// (key-major, so that every step below runs across the n vectors), sums [n, dim16], last, top,
-// total [n]; values_padded [length, dim16] when dim is not a multiple of 16.
+// over keys/values 0 .. length - 1 of one K/V head (key j at keys + j * stride, or packed; vector i
+// reads the keys 0 .. last[i]). Scratch (Scratch in attention.cpp): qb [n, dim], scores [length + a
+// group of keys, n] (key-major, so that every step below runs across the n vectors), sums [n, dim16],
+// last, top, total [n]; values_padded [length, dim16] when dim is not a multiple of 16; acc and wp,
+// panel_columns' scratch.
 static void attend_item(const Item& it, Scratch& s) {
   const int64_t n = it.n, dim = it.dim, dim16 = (dim + 15) / 16 * 16, length = it.length;
   for (int64_t i = 0; i < n; ++i) {
     std::copy(it.query(i), it.query(i) + dim, s.qb.data_ptr<float>() + i * dim);
     s.last[i] = it.last(i);
   }
-  // scores[j][i] = dot(k_j, q_i), tile.h's order (the keys are its rows, the queries its W)
+  // scores[j][i] = dot(k_j, q_i), tile.h's order (the keys are its rows, the queries its W): by the
+  // packed tiles where the keys are packed and the queries fill most of a tile's 16 columns, else by
+  // the direct tiles (the same lanes and lane tree per score). The packed tiles take the pack's whole
+  // groups of keys: scores past the block's last key are computed and never read.
   const float* qb = s.qb.data_ptr<float>();
-  shard_columns<float>(it.keys, length, it.stride, &qb, dim, 1, dim, s.scores.data(), n, 0, n, nullptr);
+  if (it.packed_keys != nullptr && n > 8) {
+    const int64_t group = panel_group(1, dim), keys = std::min(it.packed_length, (length + group - 1) / group * group);
+    for (int64_t n0 = 0; n0 < n; n0 += PANEL_COLS)
+      panel_columns<float>(it.packed_keys, 0, keys, dim, &qb, dim, 1, nullptr, s.scores.data(), n, n0,
+                           std::min(n, n0 + PANEL_COLS), s.acc.data(), s.wp.data(), nullptr);
+  } else {
+    shard_columns<float>(it.keys, length, it.stride, &qb, dim, 1, dim, s.scores.data(), n, 0, n, nullptr);
+  }
   // (restrict: the compiler vectorises these loops across the n vectors only once told that they do not alias)
   float* __restrict top = s.top.data();
   float* __restrict total = s.total.data();

@@ -61,6 +61,8 @@ constexpr int64_t BLOCK = 16;
 struct Item {
   const float* q;             // row t, head h at q + (t * heads + h) * dim
   const float* keys;          // key j at keys + j * stride
+  const float* packed_keys;   // or nullptr: keys 0 .. packed_length - 1 packed for the panel tiles (Packed)
+  int64_t packed_length;
   const float* values;        // value j's 16-lane column vector c at values + j * value_row + c * value_column
   const int64_t* positions;   // of rows t0 .. t0 + rows - 1
   int64_t t0, n, heads, h0, group, stride, dim, length;  // n = rows x group vectors; keys 0 .. length - 1
@@ -73,15 +75,20 @@ struct Item {
   int64_t last(int64_t i) const { return positions[t0 + i / group]; }
 };
 
+// The largest PANEL_ROWS and the PANEL_COLS of tile.h's variants (checked where they are included).
+constexpr int64_t MOST_PANEL_ROWS = 8, PANEL_WIDTH = 96;
+
 // One thread's buffers for attend_item (attend.h), sized for the call's largest item.
 struct Scratch {
   at::Tensor qb;  // ATen's allocation: 64-byte aligned, so that no query load splits a cache line (25% of the scores)
-  std::vector<float> scores, sums, top, total, values_padded;
+  std::vector<float> scores, sums, top, total, values_padded, acc, wp;
   std::vector<int64_t> last;
   Scratch(int64_t n, int64_t length, int64_t dim) {
     const int64_t dim16 = (dim + 15) / 16 * 16;
     qb = at::empty({n * dim}, at::kFloat);
-    scores.resize(length * n);
+    scores.resize((length + MOST_PANEL_ROWS) * n);  // the panel tiles' whole groups of keys
+    acc.resize(MOST_PANEL_ROWS * PANEL_WIDTH * 16);
+    wp.resize(PANEL_WIDTH * dim16);
     sums.resize(n * dim16);
     top.resize(n);
     last.resize(n);
@@ -90,12 +97,15 @@ struct Scratch {
   }
 };
 
+using PackRows = void (*)(const float*, int64_t, int64_t, int64_t, int, float*);
+
 // The keys and values of the slots that blocks of several rows (prefill pieces) read, copied per K/V
-// head: the keys into rows dim floats apart, the values by 16-lane column vectors (vector c of every
-// row, then c + 1, zero-padded to a multiple of 16), the order the weighted sums read them. In the
-// cache a head's rows lie kv_heads * dim floats apart (4 KiB at 8 heads of 128), so that they share a
-// few cache sets and evict one another while every block of rows reads them again. It changes where a
-// key or value is read from, never what is computed.
+// head: the keys as the x of tile.h's packed tiles (pack_rows, in groups of `group_rows` keys from key
+// 0), the values by 16-lane column vectors (vector c of every row, then c + 1, zero-padded to a
+// multiple of 16), the order the weighted sums read them. In the cache a head's rows lie kv_heads *
+// dim floats apart (4 KiB at 8 heads of 128), so that they share a few cache sets and evict one
+// another while every block of rows reads them again. It changes where a key or value is read from,
+// never what is computed.
 struct Packed {
   std::vector<int64_t> of_slot;  // slot -> its pack, or -1
   std::vector<int64_t> length, offset;
@@ -104,7 +114,7 @@ struct Packed {
 
   template <typename LengthOf>
   Packed(const float* k, const float* v, const int64_t* slots, const std::vector<int64_t>& starts, int64_t max_len,
-         int64_t kv_heads, int64_t dim, const LengthOf& length_of)
+         int64_t kv_heads, int64_t dim, const LengthOf& length_of, int64_t group_rows, PackRows pack_rows)
       : dim16((dim + 15) / 16 * 16) {
     std::vector<int64_t> slot_of;
     for (size_t b = 0; b + 1 < starts.size(); ++b) {
@@ -124,10 +134,10 @@ struct Packed {
         const int64_t from = (slot_of[pack] * max_len * kv_heads + kvh) * dim, rows = length[pack];
         float* keys_to = out + offset[pack] + kvh * rows * dim16;
         float* values_to = keys_to + offset.back();
+        for (int64_t j = 0; j < rows; j += group_rows)
+          pack_rows(k + from, kv_heads * dim, dim, j, int(std::min(group_rows, rows - j)), keys_to + j * dim16);
         for (int64_t j = 0; j < rows; ++j) {
-          const float* key = k + from + j * kv_heads * dim;
           const float* value = v + from + j * kv_heads * dim;
-          std::copy(key, key + dim, keys_to + j * dim);
           for (int64_t d = 0; d < dim; d += 16)
             std::copy(value + d, value + std::min(d + 16, dim), values_to + (d / 16 * rows + j) * 16);
         }
@@ -157,6 +167,9 @@ namespace avx2 {
 #include "attend.h"
 #pragma GCC pop_options
 }  // namespace avx2
+
+static_assert(avx512::PANEL_ROWS <= MOST_PANEL_ROWS && avx2::PANEL_ROWS <= MOST_PANEL_ROWS &&
+              avx512::PANEL_COLS == PANEL_WIDTH && avx2::PANEL_COLS == PANEL_WIDTH, "Scratch fits the panel tiles");
 
 // q [T, H, D] fp32 contiguous; k_cache, v_cache [slots, max_len, KV, D] fp32 contiguous;
 // row_slots, row_positions [T] int64 (each row's slot and absolute position) -> out [T, H, D].
@@ -200,7 +213,9 @@ at::Tensor attention_rows(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, 
   auto length_of = [&](int64_t b) { return positions[starts[b + 1] - 1] + 1; };
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return length_of(a) > length_of(b); });
   const int64_t longest = length_of(order[0]), items = blocks * kv_heads;
-  const Packed packed(kp, vp, slots, starts, max_len, kv_heads, dim, length_of);
+  const Packed packed(kp, vp, slots, starts, max_len, kv_heads, dim, length_of,
+                      wide ? avx512::panel_group(1, dim) : avx2::panel_group(1, dim),
+                      wide ? avx512::pack_rows : avx2::pack_rows);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     Scratch scratch(BLOCK * group, longest, dim);
@@ -209,10 +224,10 @@ at::Tensor attention_rows(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, 
       const int64_t base = (slots[t0] * max_len * kv_heads + kvh) * dim;
       const bool in_pack = starts[block + 1] - t0 > 1;  // (a decode row reads the cache once: no copy)
       const int64_t pack = in_pack ? packed.of_slot[slots[t0]] : -1;
-      const float* keys = in_pack ? packed.keys(pack, kvh) : kp + base;
       const float* values = in_pack ? packed.values(pack, kvh) : vp + base;
-      const Item it{qp, keys, values, positions, t0, (starts[block + 1] - t0) * group, heads, kvh * group, group,
-                    in_pack ? dim : kv_heads * dim, dim, length_of(block), in_pack ? 16 : kv_heads * dim,
+      const Item it{qp, kp + base, in_pack ? packed.keys(pack, kvh) : nullptr, in_pack ? packed.length[pack] : 0,
+                    values, positions, t0, (starts[block + 1] - t0) * group, heads, kvh * group, group,
+                    kv_heads * dim, dim, length_of(block), in_pack ? 16 : kv_heads * dim,
                     in_pack ? packed.length[pack] * 16 : 16, float(scale), op};
       if (wide) avx512::attend_item(it, scratch);
       else avx2::attend_item(it, scratch);

@@ -76,7 +76,7 @@ struct Variant {
   Kernels<float> fp32;
   Kernels<BF16> bf16;
   void (*pack_rows)(const float*, int64_t, int64_t, int64_t, int, float*);
-  int64_t (*panel_group)(int64_t);  // rows per group of the packed tiles, for S shards
+  int64_t (*panel_group)(int64_t, int64_t);  // rows per group of the packed tiles, for S shards of K
   bool flush_denormals;  // DAZ and FTZ while it runs: the bf16 dot products' rule (`Denormals`)
 
   template <typename WT>
@@ -192,7 +192,7 @@ static void run(const Variant& variant, const float* xp, int64_t ldx, int64_t M,
     });
     return;
   }
-  const int64_t group = variant.panel_group(S), groups = (M + group - 1) / group, steps = (K + 15) / 16;
+  const int64_t group = variant.panel_group(S, K), groups = (M + group - 1) / group, steps = (K + 15) / 16;
   const int64_t block = panel_block_columns(S * K), blocks = (N + block - 1) / block;
   const int64_t acc = avx512::PANEL_ROWS * avx512::PANEL_COLS * 16, shard_packed = groups * group * steps * 16;
   // panel_columns' tree: one slot per level of the shard tree, the last one the whole sum (S a power of two)

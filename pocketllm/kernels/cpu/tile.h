@@ -344,13 +344,17 @@ static inline typename Lanes::V column_tree(const float* lanes, int64_t stride) 
   return s[0];
 }
 
-// Rows in a group of the packed tiles: PANEL_ROWS, or half as many for shards (S > 1), whose tiles take
-// two lanes at once (panel_tile's PAIR).
-static inline int64_t panel_group(int64_t S) { return S == 1 ? PANEL_ROWS : PANEL_ROWS / 2; }
+// Whether the packed tiles take two lanes at once (panel_tile's PAIR): for shards (S > 1) and for a K
+// of 16 steps or fewer (the attention's scores over a head dim), where the accumulators' stores and the
+// lane tree are a large share of a short K's work.
+static inline bool paired(int64_t S, int64_t K) { return S > 1 || steps_of(K) <= 16; }
+
+// Rows in a group of the packed tiles: PANEL_ROWS, or half as many where they are `paired`.
+static inline int64_t panel_group(int64_t S, int64_t K) { return paired(S, K) ? PANEL_ROWS / 2 : PANEL_ROWS; }
 
 // Output columns [n0, n1) (at most PANEL_COLS) of every row, for W in S shards of K columns each (shard s:
-// ws[s], [N, K] with rows ldw apart; S = 1: one matrix), from x packed by groups of panel_group(S) rows per
-// shard (shard s's group g at xp + s * xstride + g * panel_group(S) * steps_of(K) * 16). Each shard's
+// ws[s], [N, K] with rows ldw apart; S = 1: one matrix), from x packed by groups of panel_group(S, K) rows
+// per shard (shard s's group g at xp + s * xstride + g * panel_group(S, K) * steps_of(K) * 16). Each shard's
 // outputs are carried over its K, then summed by `column_tree`; S > 1 (no bias): the shards' sums are
 // added in the shard tree, (0+1), (2+3), ..., then pairs of those, kept level by level in `tree`
 // (at least (log2 S + 1) * PANEL_ROWS * PANEL_COLS floats) as each shard ends, so that no shard's
@@ -363,7 +367,8 @@ static void panel_columns(const float* xp, int64_t xstride, int64_t M, int64_t K
   const int64_t steps_k = steps_of(K), width = n1 - n0;
   const int64_t padded = (width + PANEL_TILE - 1) / PANEL_TILE * PANEL_TILE, shard_packed = steps_k * padded * 16;
   for (int64_t s = 0; s < S; ++s) pack_columns(ws[s], ldw, K, n0, n1, wp + s * shard_packed);
-  const int64_t outputs = PANEL_ROWS * PANEL_COLS, group = panel_group(S);
+  const int64_t outputs = PANEL_ROWS * PANEL_COLS, group = panel_group(S, K);
+  const bool pair = paired(S, K);
   for (int64_t m = 0; m < M; m += group) {
     const int rows = int(M - m < group ? M - m : group);
     for (int64_t shard = 0; shard < S; ++shard) {
@@ -372,8 +377,8 @@ static void panel_columns(const float* xp, int64_t xstride, int64_t M, int64_t K
       for (int64_t s0 = 0; s0 < steps_k; s0 += PANEL_STEPS) {
         const int64_t steps = steps_k - s0 < PANEL_STEPS ? steps_k - s0 : PANEL_STEPS;
         const bool first = s0 == 0, last = s0 + steps == steps_k;
-        const PanelFn run = S > 1 ? panel_fn<PANEL_ROWS / 2, true>(rows, first, last)
-                                  : panel_fn<PANEL_ROWS, false>(rows, first, last);
+        const PanelFn run = pair ? panel_fn<PANEL_ROWS / 2, true>(rows, first, last)
+                                 : panel_fn<PANEL_ROWS, false>(rows, first, last);
         const float* panel = xg + s0 * rows * 16;
         for (int64_t n = 0; n < padded; n += PANEL_TILE)
           run(panel, wg + (s0 * padded + n * steps) * 16, steps, acc + n * PANEL_ROWS * 16);
@@ -387,8 +392,8 @@ static void panel_columns(const float* xp, int64_t xstride, int64_t M, int64_t K
         for (int r = 0; r < rows; ++r) {
           const int64_t c = n % PANEL_TILE / 16, lanes = n / PANEL_TILE * PANEL_TILE * PANEL_ROWS * 16;
           const float* lane0 = acc + lanes + (r * PANEL_C + c) * 16;
-          typename Lanes::V v = S > 1 ? column_tree<true>(lane0, PANEL_ROWS * PANEL_C * 16)
-                                      : column_tree<false>(lane0, PANEL_ROWS * PANEL_C * 16);
+          typename Lanes::V v = pair ? column_tree<true>(lane0, PANEL_ROWS * PANEL_C * 16)
+                                     : column_tree<false>(lane0, PANEL_ROWS * PANEL_C * 16);
           const int count = int(width - n < 16 ? width - n : 16);
           if (S > 1) {
             Lanes::store(sum + r * PANEL_COLS + n, v);
