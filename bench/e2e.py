@@ -1,5 +1,5 @@
 """End-to-end benchmark of the engine on a device: the numbers a user of it sees, where the kernel
-benchmark (bench/kernels.py) times each op alone.
+benchmark (bench/kernel_rooflines.py) times each op alone.
 
 Per preset (random weights in the real checkpoints' shapes, `pocketllm.models.cached_checkpoint`),
 on one backend, dtype and device:

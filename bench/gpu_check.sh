@@ -15,7 +15,7 @@ python -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
 arch=$(python -c "import torch; print('sm_%d%d' % torch.cuda.get_device_capability())")
 timeout 300 python -m pytest -q -m gpu tests 2>&1 | tail -40 | tee "$out/gpu_tests.txt"
 tests_rc=${PIPESTATUS[0]}
-timeout 180 python bench/kernels.py --out "$out" 2>&1 | tail -30
+timeout 180 python bench/kernel_rooflines.py --out "$out" 2>&1 | tail -30
 kernels_rc=${PIPESTATUS[0]}
 timeout 60 python -m pocketllm.lab.compile --target "$arch" --json --quiet > "$out/compile.json"
 compile_rc=$?

@@ -1,4 +1,4 @@
-"""The kernel benchmark's code paths run in CI: `bench/kernels.py --smoke` on the interpreter."""
+"""The kernel benchmark's code paths run in CI: `bench/kernel_rooflines.py --smoke` on the interpreter."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_kernel_bench_smoke_writes_report(tmp_path):
     """Every op's Triton kernel is timed beside its other implementations, which agree with it;
     JSON and Markdown are written."""
-    subprocess.run([sys.executable, str(ROOT / "bench" / "kernels.py"), "--smoke", "--out", str(tmp_path)],
+    subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_rooflines.py"), "--smoke", "--out", str(tmp_path)],
                    check=True, cwd=ROOT, timeout=600, capture_output=True)
     report = json.loads((tmp_path / "kernels.json").read_text())
     assert {row["op"] for row in report["rows"]} == set(OPS)
