@@ -47,11 +47,11 @@ static void attend_item(const Item& it, Scratch& s) {
     s.last[i] = it.last(i);
   }
   // scores[j][i] = dot(k_j, q_i), tile.h's order (the keys are its rows, the queries its W): by the
-  // packed tiles where the keys are packed and the queries fill most of a tile's 16 columns, else by
-  // the direct tiles (the same lanes and lane tree per score). The packed tiles take the pack's whole
-  // groups of keys: scores past the block's last key are computed and never read.
+  // packed tiles where the item has packed keys (`packed_scores` in attention.cpp), else by the direct
+  // tiles (the same lanes and lane tree per score). The packed tiles take the pack's whole groups of
+  // keys: scores past the block's last key are computed and never read.
   const float* qb = s.qb.data_ptr<float>();
-  if (it.packed_keys != nullptr && n > 8) {
+  if (it.packed_keys != nullptr) {
     const int64_t group = panel_group(1, dim), keys = std::min(it.packed_length, (length + group - 1) / group * group);
     for (int64_t n0 = 0; n0 < n; n0 += PANEL_COLS)
       panel_columns<float>(it.packed_keys, 0, keys, dim, &qb, dim, 1, nullptr, s.scores.data(), n, n0,

@@ -61,7 +61,8 @@ constexpr int64_t BLOCK = 16;
 struct Item {
   const float* q;             // row t, head h at q + (t * heads + h) * dim
   const float* keys;          // key j at keys + j * stride
-  const float* packed_keys;   // or nullptr: keys 0 .. packed_length - 1 packed for the panel tiles (Packed)
+  const float* packed_keys;   // or nullptr: keys 0 .. packed_length - 1 packed for the panel tiles (Packed),
+                              // given to the blocks whose scores run them (`packed_scores`)
   int64_t packed_length;
   const float* values;        // value j's 16-lane column vector c at values + j * value_row + c * value_column
   const int64_t* positions;   // of rows t0 .. t0 + rows - 1
@@ -74,6 +75,11 @@ struct Item {
   float* output(int64_t i) const { return out + offset(i); }
   int64_t last(int64_t i) const { return positions[t0 + i / group]; }
 };
+
+// Whether a block of `vectors` query vectors (rows x the query heads of a K/V head) computes its scores
+// on the packed tiles: more than 8, half of an AVX2 tile's 16 columns (AVX-512's tiles are 48 wide; not
+// measured there). Fewer run the direct tiles on the cache, and their pack holds no keys for them.
+inline bool packed_scores(int64_t vectors) { return vectors > 8; }
 
 // The largest PANEL_ROWS and the PANEL_COLS of tile.h's variants (checked where they are included).
 constexpr int64_t MOST_PANEL_ROWS = 8, PANEL_WIDTH = 96;
@@ -101,28 +107,34 @@ using PackRows = void (*)(const float*, int64_t, int64_t, int64_t, int, float*);
 
 // The keys and values of the slots that blocks of several rows (prefill pieces) read, copied per K/V
 // head: the keys as the x of tile.h's packed tiles (pack_rows, in groups of `group_rows` keys from key
-// 0), the values by 16-lane column vectors (vector c of every row, then c + 1, zero-padded to a
-// multiple of 16), the order the weighted sums read them. In the cache a head's rows lie kv_heads *
+// 0) where a block of the slot has `packed_scores`, the values by 16-lane column vectors (vector c of
+// every row, then c + 1, zero-padded to a multiple of 16), the order the weighted sums read them. In the cache a head's rows lie kv_heads *
 // dim floats apart (4 KiB at 8 heads of 128), so that they share a few cache sets and evict one
 // another while every block of rows reads them again. It changes where a key or value is read from,
 // never what is computed.
 struct Packed {
   std::vector<int64_t> of_slot;  // slot -> its pack, or -1
   std::vector<int64_t> length, offset;
+  std::vector<bool> with_keys;  // whether a pack's keys are packed
   int64_t dim16;  // a row's floats in a pack: the head dim padded to 16s
   at::Tensor data;  // every pack's keys, then every pack's values
 
   template <typename LengthOf>
   Packed(const float* k, const float* v, const int64_t* slots, const std::vector<int64_t>& starts, int64_t max_len,
-         int64_t kv_heads, int64_t dim, const LengthOf& length_of, int64_t group_rows, PackRows pack_rows)
+         int64_t kv_heads, int64_t group, int64_t dim, const LengthOf& length_of, int64_t group_rows,
+         PackRows pack_rows)
       : dim16((dim + 15) / 16 * 16) {
     std::vector<int64_t> slot_of;
     for (size_t b = 0; b + 1 < starts.size(); ++b) {
       if (starts[b + 1] - starts[b] < 2) continue;
       const int64_t slot = slots[starts[b]];
       if (int64_t(of_slot.size()) <= slot) of_slot.resize(slot + 1, -1);
-      if (of_slot[slot] < 0) of_slot[slot] = int64_t(slot_of.size()), slot_of.push_back(slot), length.push_back(0);
+      if (of_slot[slot] < 0) {
+        of_slot[slot] = int64_t(slot_of.size());
+        slot_of.push_back(slot), length.push_back(0), with_keys.push_back(false);
+      }
       length[of_slot[slot]] = std::max(length[of_slot[slot]], length_of(int64_t(b)));
+      if (packed_scores((starts[b + 1] - starts[b]) * group)) with_keys[of_slot[slot]] = true;
     }
     offset.assign(1, 0);
     for (int64_t l : length) offset.push_back(offset.back() + l * kv_heads * dim16);
@@ -134,7 +146,7 @@ struct Packed {
         const int64_t from = (slot_of[pack] * max_len * kv_heads + kvh) * dim, rows = length[pack];
         float* keys_to = out + offset[pack] + kvh * rows * dim16;
         float* values_to = keys_to + offset.back();
-        for (int64_t j = 0; j < rows; j += group_rows)
+        for (int64_t j = 0; with_keys[pack] && j < rows; j += group_rows)
           pack_rows(k + from, kv_heads * dim, dim, j, int(std::min(group_rows, rows - j)), keys_to + j * dim16);
         for (int64_t j = 0; j < rows; ++j) {
           const float* value = v + from + j * kv_heads * dim;
@@ -213,7 +225,7 @@ at::Tensor attention_rows(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, 
   auto length_of = [&](int64_t b) { return positions[starts[b + 1] - 1] + 1; };
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return length_of(a) > length_of(b); });
   const int64_t longest = length_of(order[0]), items = blocks * kv_heads;
-  const Packed packed(kp, vp, slots, starts, max_len, kv_heads, dim, length_of,
+  const Packed packed(kp, vp, slots, starts, max_len, kv_heads, group, dim, length_of,
                       wide ? avx512::panel_group(1, dim) : avx2::panel_group(1, dim),
                       wide ? avx512::pack_rows : avx2::pack_rows);
   std::atomic<int64_t> next{0};
@@ -224,9 +236,11 @@ at::Tensor attention_rows(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, 
       const int64_t base = (slots[t0] * max_len * kv_heads + kvh) * dim;
       const bool in_pack = starts[block + 1] - t0 > 1;  // (a decode row reads the cache once: no copy)
       const int64_t pack = in_pack ? packed.of_slot[slots[t0]] : -1;
+      const int64_t n = (starts[block + 1] - t0) * group;
       const float* values = in_pack ? packed.values(pack, kvh) : vp + base;
-      const Item it{qp, kp + base, in_pack ? packed.keys(pack, kvh) : nullptr, in_pack ? packed.length[pack] : 0,
-                    values, positions, t0, (starts[block + 1] - t0) * group, heads, kvh * group, group,
+      const float* packed_keys = in_pack && packed_scores(n) ? packed.keys(pack, kvh) : nullptr;
+      const Item it{qp, kp + base, packed_keys, in_pack ? packed.length[pack] : 0,
+                    values, positions, t0, n, heads, kvh * group, group,
                     kv_heads * dim, dim, length_of(block), in_pack ? 16 : kv_heads * dim,
                     in_pack ? packed.length[pack] * 16 : 16, float(scale), op};
       if (wide) avx512::attend_item(it, scratch);
