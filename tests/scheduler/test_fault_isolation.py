@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from pocketllm import LLM, EngineArgs, SamplingParams
+from pocketllm.runner import non_finite_rows
 
 from .faults import SeedFault, SlotFault, fault_seed, install
 
@@ -115,6 +117,20 @@ def test_non_finite_logits_end_a_serial_request_with_error(tiny_checkpoint, monk
     ok = llm.generate([1, 2], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert ok.finish_reason == "length" and ok.token_ids[:2] == result.token_ids
     assert llm.slots.num_free == llm.cache.num_slots
+
+
+def test_non_finite_rows_are_found_and_finite_rows_whose_sum_overflows_are_not():
+    """The check of a step's logits names every row holding a NaN, +inf or -inf (one of each, and a
+    row with +inf and -inf, whose sum is NaN), and passes rows of finite logits whose sum overflows to
+    inf, which a check of the sums alone would fail."""
+    logits = torch.randn(7, 300)
+    assert non_finite_rows(logits) == []
+    logits[1, 5], logits[2, 0], logits[4, 299] = float("nan"), float("inf"), float("-inf")
+    logits[6, 3], logits[6, 7] = float("inf"), float("-inf")
+    logits[0, :2] = 3.0e38  # finite, and its row's sum is +inf in fp32
+    assert torch.isinf(logits[0].sum())
+    assert non_finite_rows(logits) == [1, 2, 4, 6]
+    assert non_finite_rows(logits[[0, 3, 5]]) == []
 
 
 def test_keyboard_interrupt_in_a_forward_propagates_and_loses_no_request(tiny_checkpoint, monkeypatch, drain):
