@@ -107,11 +107,12 @@ using PackRows = void (*)(const float*, int64_t, int64_t, int64_t, int, float*);
 
 // The keys and values of the slots that blocks of several rows (prefill pieces) read, copied per K/V
 // head: the keys as the x of tile.h's packed tiles (pack_rows, in groups of `group_rows` keys from key
-// 0) where a block of the slot has `packed_scores`, the values by 16-lane column vectors (vector c of
-// every row, then c + 1, zero-padded to a multiple of 16), the order the weighted sums read them. In the cache a head's rows lie kv_heads *
-// dim floats apart (4 KiB at 8 heads of 128), so that they share a few cache sets and evict one
-// another while every block of rows reads them again. It changes where a key or value is read from,
-// never what is computed.
+// 0) where a block of the slot has `packed_scores` (of its `vectors_of`, as the block's item decides),
+// the values by 16-lane column vectors (vector c of every row, then c + 1, zero-padded to a multiple
+// of 16), the order the weighted sums read them. In the cache a head's rows lie kv_heads * dim floats
+// apart (4 KiB at 8 heads of 128), so that they share a few cache sets and evict one another while
+// every block of rows reads them again. It changes where a key or value is read from, never what is
+// computed.
 struct Packed {
   std::vector<int64_t> of_slot;  // slot -> its pack, or -1
   std::vector<int64_t> length, offset;
@@ -119,9 +120,9 @@ struct Packed {
   int64_t dim16;  // a row's floats in a pack: the head dim padded to 16s
   at::Tensor data;  // every pack's keys, then every pack's values
 
-  template <typename LengthOf>
+  template <typename LengthOf, typename VectorsOf>
   Packed(const float* k, const float* v, const int64_t* slots, const std::vector<int64_t>& starts, int64_t max_len,
-         int64_t kv_heads, int64_t group, int64_t dim, const LengthOf& length_of, int64_t group_rows,
+         int64_t kv_heads, int64_t dim, const LengthOf& length_of, const VectorsOf& vectors_of, int64_t group_rows,
          PackRows pack_rows)
       : dim16((dim + 15) / 16 * 16) {
     std::vector<int64_t> slot_of;
@@ -134,7 +135,7 @@ struct Packed {
         slot_of.push_back(slot), length.push_back(0), with_keys.push_back(false);
       }
       length[of_slot[slot]] = std::max(length[of_slot[slot]], length_of(int64_t(b)));
-      if (packed_scores((starts[b + 1] - starts[b]) * group)) with_keys[of_slot[slot]] = true;
+      if (packed_scores(vectors_of(int64_t(b)))) with_keys[of_slot[slot]] = true;
     }
     offset.assign(1, 0);
     for (int64_t l : length) offset.push_back(offset.back() + l * kv_heads * dim16);
@@ -223,9 +224,10 @@ at::Tensor attention_rows(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, 
   std::vector<int64_t> order(blocks);
   std::iota(order.begin(), order.end(), 0);
   auto length_of = [&](int64_t b) { return positions[starts[b + 1] - 1] + 1; };
+  auto vectors_of = [&](int64_t b) { return (starts[b + 1] - starts[b]) * group; };  // query vectors of a block
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return length_of(a) > length_of(b); });
   const int64_t longest = length_of(order[0]), items = blocks * kv_heads;
-  const Packed packed(kp, vp, slots, starts, max_len, kv_heads, group, dim, length_of,
+  const Packed packed(kp, vp, slots, starts, max_len, kv_heads, dim, length_of, vectors_of,
                       wide ? avx512::panel_group(1, dim) : avx2::panel_group(1, dim),
                       wide ? avx512::pack_rows : avx2::pack_rows);
   std::atomic<int64_t> next{0};
@@ -236,7 +238,7 @@ at::Tensor attention_rows(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, 
       const int64_t base = (slots[t0] * max_len * kv_heads + kvh) * dim;
       const bool in_pack = starts[block + 1] - t0 > 1;  // (a decode row reads the cache once: no copy)
       const int64_t pack = in_pack ? packed.of_slot[slots[t0]] : -1;
-      const int64_t n = (starts[block + 1] - t0) * group;
+      const int64_t n = vectors_of(block);
       const float* values = in_pack ? packed.values(pack, kvh) : vp + base;
       const float* packed_keys = in_pack && packed_scores(n) ? packed.keys(pack, kvh) : nullptr;
       const Item it{qp, kp + base, packed_keys, in_pack ? packed.length[pack] : 0,
