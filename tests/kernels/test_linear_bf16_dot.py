@@ -79,7 +79,8 @@ def test_every_residue_of_k_is_the_documented_order(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("m", [1, 2, 9, 16, 40])  # the direct tiles, then the packed ones from 16 rows
+@pytest.mark.parametrize("m", [1, 2, 6, 9, 16, 40])  # the direct tiles (6: AVX2 interleaves two row groups over
+# chunks of K, 515 pairs here), then the packed ones from 16 rows
 def test_every_row_count_is_the_documented_order_and_each_row_alone(variant, threads, m):
     x, w, b = _data(m, 70, 1030, seed=m)
     before = torch.get_num_threads()

@@ -5,6 +5,8 @@
 - a row's bits: the same alone and in any row count 1..64, at any position, at 1 and 2 threads
   (torch.set_num_threads, which the kernel's at::parallel_for follows), for misaligned and
   non-contiguous inputs, and the same from the AVX2 variant as from the AVX-512 one;
+- 5 to 8 rows (AVX2's two row groups, interleaved over K in chunks whose lanes are carried between
+  them): every row alone and the documented order, K around the chunks' boundaries;
 - many rows (from 16 on the kernel packs x and W and carries each lane over K in blocks): every
   row is the same as computed alone and as the documented order, for row counts around the row
   groups (8 rows on AVX-512, 6 on AVX2), K across several blocks with a tail, N across several blocks
@@ -117,6 +119,24 @@ def test_many_rows_are_each_row_alone_and_the_documented_order(variant, m, n, k,
     alone = torch.cat([EXT.linear(x[i:i + 1], w, b, variant) for i in range(m)])
     assert torch.equal(got, alone), (m, n, k)
     assert torch.equal(got, _documented_order(x, w, b)), (m, n, k)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+@pytest.mark.parametrize("k", [511, 512, 513, 1024, 1040, 1543])
+def test_interleaved_row_groups_carry_their_lanes_over_k_exactly(variant, weights, k, threads):
+    """5 to 8 rows on AVX2 (two row groups) run the groups interleaved over chunks of 512 elements of K,
+    each output's lanes stored and loaded between chunks: K below, at and past one and two chunks, a
+    last chunk of a tail only (1543 = 3 * 512 + 7): every row alone and the documented order."""
+    for m in (5, 6, 8):
+        x, w, b = _data(m, 13, k, seed=m * k, bias=m != 6)
+        w = w.to(getattr(torch, weights))
+        got = EXT.linear(x, w, b, variant)
+        torch.set_num_threads(1)
+        alone = torch.cat([EXT.linear(x[i:i + 1], w, b, variant) for i in range(m)])
+        torch.set_num_threads(threads)
+        assert torch.equal(got, alone), (m, k)
+        assert torch.equal(got, _documented_order(x, w.float(), b)), (m, k)
 
 
 def test_the_thread_count_changes_no_bit(threads):

@@ -14,9 +14,10 @@
 // bf16 W gives bitwise the output of W.float(), at half the bytes read. Threads split output columns only, never K. The AVX-512 variant
 // holds the 16 lanes in one register, the AVX2 variant in two (lanes 0-7, 8-15), with the same
 // FMA sequence and the same tree, so both give the same bits. tile.h computes the outputs in one of
-// two loop orders, direct register tiles below PANEL_MIN_ROWS rows and packed, K-blocked tiles from
-// there on; each gives every lane the FMA sequence above and every output the tree above, so which
-// one ran changes no bit (the tests compare every row against the same row alone).
+// two loop orders, direct register tiles below PANEL_MIN_ROWS rows (their row groups interleaved over
+// chunks of K at 5 to 8 rows on AVX2) and packed, K-blocked tiles from there on; each gives every lane
+// the FMA sequence above and every output the tree above, so which one ran changes no bit (the tests
+// compare every row against the same row alone).
 #include <immintrin.h>
 #include <algorithm>
 #include <atomic>

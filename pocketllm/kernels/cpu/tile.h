@@ -44,17 +44,17 @@ static inline void sums(const float* acc, int64_t count, const float* bias, floa
 // The three give every output the same tree.
 enum class Out { sum, lanes, trees };
 
-template <int R, int C, typename WT, Out OUT = Out::sum>
+template <int R, int C, typename WT, Out OUT = Out::sum, bool AHEAD = false>
 static void tile(const float* x, int64_t ldx, const WT* w, int64_t ldw, int64_t K,
-                 const float* bias, float* y, int64_t ldy) {
+                 const float* bias, float* y, int64_t ldy, const float* carried = nullptr) {
   typename Lanes::V acc[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = Lanes::zero();
+    for (int c = 0; c < C; ++c) acc[r][c] = carried != nullptr ? Lanes::load(carried + (r * C + c) * 16) : Lanes::zero();
   const int64_t k_full = K & ~int64_t(15);
   for (int64_t k = 0; k < k_full; k += 16) {
     typename Lanes::V wv[C];
     for (int c = 0; c < C; ++c) wv[c] = Lanes::load(w + c * ldw + k);
-    if constexpr (R == 1)  // a hint only: it changes no value
+    if constexpr (R == 1 || AHEAD)  // a hint only: it changes no value
       for (int c = 0; c < C; ++c) __builtin_prefetch(w + c * ldw + k + PREFETCH_AHEAD);
     for (int r = 0; r < R; ++r) {
       typename Lanes::V xv = Lanes::load(x + r * ldx + k);
@@ -100,24 +100,82 @@ static void tile(const float* x, int64_t ldx, const WT* w, int64_t ldw, int64_t 
 
 // The tile of `rows` x `cols` (at most Lanes::ROWS x Lanes::cols(rows)), found by a search over the
 // instantiations: a few comparisons per tile, against a K loop of K / 16 steps.
-template <int R, int C, typename WT, Out OUT = Out::sum>
+template <int R, int C, typename WT, Out OUT = Out::sum, bool AHEAD = false>
 static void any_tile(int rows, int cols, const float* x, int64_t ldx, const WT* w, int64_t ldw, int64_t K,
-                     const float* bias, float* y, int64_t ldy) {
+                     const float* bias, float* y, int64_t ldy, const float* carried = nullptr) {
   if (rows == R && cols == C) {
-    tile<R, C, WT, OUT>(x, ldx, w, ldw, K, bias, y, ldy);
+    tile<R, C, WT, OUT, AHEAD>(x, ldx, w, ldw, K, bias, y, ldy, carried);
   } else if constexpr (C > 1) {
-    any_tile<R, C - 1, WT, OUT>(rows, cols, x, ldx, w, ldw, K, bias, y, ldy);
+    any_tile<R, C - 1, WT, OUT, AHEAD>(rows, cols, x, ldx, w, ldw, K, bias, y, ldy, carried);
   } else if constexpr (R > 1) {
-    any_tile<R - 1, Lanes::cols(R - 1), WT, OUT>(rows, cols, x, ldx, w, ldw, K, bias, y, ldy);
+    any_tile<R - 1, Lanes::cols(R - 1), WT, OUT, AHEAD>(rows, cols, x, ldx, w, ldw, K, bias, y, ldy, carried);
+  }
+}
+
+// K elements a chunk of `interleaved_columns` carries its lanes over: 2 KiB of a row of W, 16 KiB of 8 rows of x
+// (256 and 1024 measured slower).
+static constexpr int64_t CHUNK = 512;
+
+// One row group's tiles over a chunk of K (`length` elements from x and w) for `cols` columns, `step` at a
+// time: each output's lanes start from `lanes` (or at +0, `first`) and go back there, or, in the `last`
+// chunk, its sum (and bias) goes to y. Every group's tiles ask for W ahead: whichever runs keeps the stream
+// going (faster than the first group alone).
+template <typename WT>
+static void chunk_tiles(int rows, int cols, int step, const float* x, int64_t ldx, const WT* w, int64_t ldw,
+                        int64_t length, bool first, bool last, const float* bias, float* y, int64_t ldy, float* lanes) {
+  for (int c = 0; c < cols; c += step) {
+    const int tile_cols = cols - c < step ? cols - c : step;
+    float* carry = lanes + c * rows * 16;
+    const float* from = first ? nullptr : carry;
+    if (last)
+      any_tile<Lanes::ROWS, Lanes::cols(Lanes::ROWS), WT, Out::sum, true>(
+          rows, tile_cols, x, ldx, w + c * ldw, ldw, length, bias ? bias + c : nullptr, y + c, ldy, from);
+    else
+      any_tile<Lanes::ROWS, Lanes::cols(Lanes::ROWS), WT, Out::lanes, true>(
+          rows, tile_cols, x, ldx, w + c * ldw, ldw, length, nullptr, carry, 0, from);
+  }
+}
+
+// Rows up to which `columns` interleaves its row groups (AVX2's 5 to 8 rows; AVX-512 tiles 8 rows as
+// one group): there W's stream bounds the product. From 12 rows on the groups' FMAs do, and interleaving
+// measured as fast or slower (10% at Qwen3-0.6B's widths, 15 rows).
+static constexpr int64_t INTERLEAVED_ROWS = 8;
+
+// `columns` for several row groups: W streamed once, each chunk of a column's K read by every group
+// while it is in L1, where one group after the other leaves the stream idle while the later groups read
+// the block from L2 (faster at 5 to 8 rows on AVX2: docs/measurements.md). Each output's lanes are
+// carried between chunks in fp32, so every lane still gets one unbroken FMA sequence in increasing k:
+// the same bits.
+template <typename WT>
+static void interleaved_columns(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t ldw, int64_t K,
+                                const float* bias, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  constexpr int ROWS = Lanes::ROWS, width = Lanes::cols(ROWS);
+  constexpr int MOST_GROUPS = int(INTERLEAVED_ROWS + ROWS - 1) / ROWS;
+  float lanes[MOST_GROUPS][ROWS * width * 16];
+  const int groups = int((M + ROWS - 1) / ROWS);
+  for (int64_t n = n0; n < n1; n += width) {
+    const int cols = int(n1 - n < width ? n1 - n : width);
+    const float* b = bias ? bias + n : nullptr;
+    for (int64_t k = 0; k < K; k += CHUNK) {
+      const bool first = k == 0, last = k + CHUNK >= K;
+      const int64_t length = last ? K - k : CHUNK;
+      for (int g = 0; g < groups; ++g) {
+        const int rows = int(std::min<int64_t>(ROWS, M - g * ROWS));
+        chunk_tiles(rows, cols, std::min(cols, Lanes::cols(rows)), x + g * ROWS * ldx + k, ldx, w + n * ldw + k, ldw,
+                    length, first, last, b, y + g * ROWS * ldy + n, ldy, lanes[g]);
+      }
+    }
   }
 }
 
 // Output columns [n0, n1) of every row: for each group of up to ROWS rows, each group of up to
 // cols(rows) columns (the caller keeps [n0, n1) small enough for W's block to stay in cache while every
-// row group reads it). Which columns a call gets changes who computes a column, never how.
+// row group reads it); several groups of at most INTERLEAVED_ROWS rows in all, `interleaved_columns`.
+// Which columns a call gets changes who computes a column, never how.
 template <typename WT>
 static void columns(const float* x, int64_t M, int64_t ldx, const WT* w, int64_t ldw, int64_t K,
                     const float* bias, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  if (M > Lanes::ROWS && M <= INTERLEAVED_ROWS) return interleaved_columns(x, M, ldx, w, ldw, K, bias, y, ldy, n0, n1);
   for (int64_t m = 0; m < M; m += Lanes::ROWS) {
     const int rows = int(M - m < Lanes::ROWS ? M - m : Lanes::ROWS);
     const int width = Lanes::cols(rows);
