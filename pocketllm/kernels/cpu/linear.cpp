@@ -128,8 +128,9 @@ static std::string best_variant() {
 
 // The variant a call of `rows` rows runs: the one asked for, else the best this CPU has, except that
 // one row (a lone request's decode step) runs the AVX2 tiles on an AVX-512 CPU too: their two 8-lane
-// accumulators are two dependency chains where the AVX-512 tile has one (measured 14-29% faster per
-// token on AMD Zen 4). Both give the same bits, so the choice changes no bit.
+// accumulators an output are two dependency chains where the AVX-512 tile has one (measured 14-29%
+// faster per token on AMD Zen 4, when both tiles took one column; the AVX2 one takes 4 now, measured on
+// Zen 3 only). Both give the same bits, so the choice changes no bit.
 static const Variant& variant_of(const std::string& variant, int64_t rows) {
   static const std::string best = best_variant();
   TORCH_CHECK_VALUE(variant == "" || variant == "avx512" || variant == "avx2",

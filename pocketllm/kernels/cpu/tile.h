@@ -116,13 +116,14 @@ static void any_tile(int rows, int cols, const float* x, int64_t ldx, const WT* 
 // (256 and 1024 measured slower).
 static constexpr int64_t CHUNK = 512;
 
-// One row group's tiles over a chunk of K (`length` elements from x and w) for `cols` columns, `step` at a
-// time: each output's lanes start from `lanes` (or at +0, `first`) and go back there, or, in the `last`
+// One row group's tiles over a chunk of K (`length` elements from x and w) for `cols` columns, cols(rows)
+// at a time: each output's lanes start from `lanes` (or at +0, `first`) and go back there, or, in the `last`
 // chunk, its sum (and bias) goes to y. Every group's tiles ask for W ahead: whichever runs keeps the stream
 // going (faster than the first group alone).
 template <typename WT>
-static void chunk_tiles(int rows, int cols, int step, const float* x, int64_t ldx, const WT* w, int64_t ldw,
+static void chunk_tiles(int rows, int cols, const float* x, int64_t ldx, const WT* w, int64_t ldw,
                         int64_t length, bool first, bool last, const float* bias, float* y, int64_t ldy, float* lanes) {
+  const int step = Lanes::cols(rows);
   for (int c = 0; c < cols; c += step) {
     const int tile_cols = cols - c < step ? cols - c : step;
     float* carry = lanes + c * rows * 16;
@@ -161,8 +162,8 @@ static void interleaved_columns(const float* x, int64_t M, int64_t ldx, const WT
       const int64_t length = last ? K - k : CHUNK;
       for (int g = 0; g < groups; ++g) {
         const int rows = int(std::min<int64_t>(ROWS, M - g * ROWS));
-        chunk_tiles(rows, cols, std::min(cols, Lanes::cols(rows)), x + g * ROWS * ldx + k, ldx, w + n * ldw + k, ldw,
-                    length, first, last, b, y + g * ROWS * ldy + n, ldy, lanes[g]);
+        chunk_tiles(rows, cols, x + g * ROWS * ldx + k, ldx, w + n * ldw + k, ldw, length, first, last, b,
+                    y + g * ROWS * ldy + n, ldy, lanes[g]);
       }
     }
   }
