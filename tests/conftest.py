@@ -20,6 +20,18 @@ pytest_plugins = [] if _INSTALLED and not os.environ.get("PYTEST_DISABLE_PLUGIN_
 VARIANTS = {**CHECKPOINT_VARIANTS, **QWEN3_5_VARIANTS, **MOE_VARIANTS}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """A pytest-xdist worker takes its share of the intra-op threads (and passes it to the processes it
+    starts): two workers of two OpenMP teams each on two cores would spin-wait against each other.
+    The kernels' own tests set 1 and 2 threads themselves; `.ci/run` runs the invariance tests again
+    in one process at the default thread count."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, torch.get_num_threads() // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked `gpu` are skipped here when torch sees no CUDA device: the one place that decides."""
     if torch.cuda.is_available():

@@ -221,9 +221,12 @@ def test_requests_without_controls_never_reach_the_processor(llm, monkeypatch):
         raise AssertionError("processed a request without controls")
 
     monkeypatch.setattr("pocketllm.runner.process_row", refuse)
-    neutral = SamplingParams(max_tokens=3, logit_bias={}, bad_words_token_ids=[], presence_penalty=0.0, min_p=0)
-    assert not neutral.controls_logits and neutral == SamplingParams(max_tokens=3)
-    assert llm.generate([1, 2, 3], neutral).finish_reason == "length"
+    # ignore_eos: a random seed that samples EOS within 3 tokens would end the request early.
+    neutral = SamplingParams(max_tokens=3, ignore_eos=True, logit_bias={}, bad_words_token_ids=[],
+                             presence_penalty=0.0, min_p=0)
+    assert not neutral.controls_logits and neutral == SamplingParams(max_tokens=3, ignore_eos=True)
+    result = llm.generate([1, 2, 3], neutral)
+    assert (result.finish_reason, len(result.token_ids)) == ("length", 3)
 
 
 # -- batched == serial with random controls --------------------------------------------------------
