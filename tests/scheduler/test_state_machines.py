@@ -82,7 +82,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.mutex = threading.RLock()  # what the callbacks record, against the invariants' reads
         self.specs: dict[int, tuple[list[int], SamplingParams]] = {}
         self.collected: dict[int, GenerationResult | None] = {}  # None: collected where we cannot see it
-        self.pushed: dict[int, list] = {}  # on_token deltas, then the result, in delivery order
+        # on_token deltas, then the result, in delivery order (from the first delivery: with the thread,
+        # a blocking submission's request can be delivered to before submit_request returns)
+        self.pushed: dict[int, list] = {}
         self.stopped = False
         self.rules_run = 0
 
@@ -94,11 +96,11 @@ class SchedulerMachine(RuleBasedStateMachine):
 
         def on_token(delta):
             with self.mutex:
-                self.pushed[delta.request_id].append(delta)
+                self.pushed.setdefault(delta.request_id, []).append(delta)
 
         def callback(result: GenerationResult) -> None:
             with self.mutex:
-                self.pushed[result.request_id].append(result)
+                self.pushed.setdefault(result.request_id, []).append(result)
                 others = [i for i in self.specs if i != result.request_id and i not in self.collected]
             try:
                 if action == "cancel_other" and others:
@@ -125,8 +127,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         callbacks = self._callbacks(action)
         if wait_ms is None:
             rid = self.s.submit_request(prompt, p, wait_ms=None, **callbacks)
-            with self.mutex:
-                self.specs[rid], self.pushed[rid] = (prompt, p), []
+            with self.mutex:  # the thread may have delivered its first tokens already
+                self.specs[rid] = (prompt, p)
+                self.pushed.setdefault(rid, [])
             return
         with self.mutex:
             try:
