@@ -5,7 +5,8 @@ Chunks are CHUNK_SIZE positions aligned to absolute positions and always compute
 (padded with inert tokens), so a sequence's outputs and final state do not depend on the batch,
 and a prompt split at a chunk boundary gives bitwise the same result as in one piece.
 `gated_delta_prefill_triton` walks the same chunks, one program per sequence, value head and block
-of value columns, updating the state in its slot and solving the UT transform by forward substitution.
+of value columns, updating the state in its slot; each chunk's UT transform is inverted beforehand, every
+chunk at once, in blocks of 16 rows.
 """
 
 from typing import Protocol
@@ -24,6 +25,7 @@ from ._gated_delta import (
     with_replayed,
 )
 from ._triton import kernel_device_ok, tl, triton
+from ._unit_lower import rows_product, unit_lower_inverse
 from .checks import check_shape
 from .spec import Call, Layout, OpSpec, Step
 
@@ -135,9 +137,64 @@ def _load_state_rows(state_head, rows, s_sk, dv_mask, DK: tl.constexpr):
 
 
 @triton.jit
+def _chunk_tokens(lo, length, start, c, CHUNK: tl.constexpr):
+    """(token rows, valid) of the sequence's chunk c: row r is absolute position
+    (start // CHUNK + c) * CHUNK + r; rows outside the sequence are masked (they load as inert zeros:
+    g = 0 keeps the decay, k = beta = 0 adds nothing)."""
+    offset = (start // CHUNK + c) * CHUNK + tl.arange(0, CHUNK) - start
+    valid = (offset >= 0) & (offset < length)
+    return lo + tl.where(valid, offset, 0), valid
+
+
+@triton.jit
+def _inverse_norms(head, tok, st, sd, valid, DK: tl.constexpr, BLOCK_DK: tl.constexpr):
+    """1 / |row| (eps 1e-6) of q or k's rows, the squares summed BLOCK_DK columns at a time."""
+    dk = tl.arange(0, BLOCK_DK)
+    sq = tl.zeros([tok.shape[0]], dtype=tl.float32)
+    for d0 in range(0, DK, BLOCK_DK):
+        x = _load_rows(head, tok, st, sd, valid, d0 + dk, DK)
+        sq += tl.sum(x * x, axis=1)
+    return tl.rsqrt(sq + 1e-6)
+
+
+@triton.jit
+def _ut_inverse_kernel(k_ptr, g_ptr, beta_ptr, starts_ptr, cu_ptr, base_ptr, inv_ptr, k_st, k_sh, k_sd, g_st, g_sh,
+                       b_st, b_sh, i_sc, i_sh, GROUP: tl.constexpr, DK: tl.constexpr, CHUNK: tl.constexpr,
+                       BLOCK_DK: tl.constexpr):
+    """Program (i, h, c): T = (I + L)^-1 of sequence i's chunk c and value head h into
+    inv[base[i] + c, h], L the strictly lower part of (beta k k^T) * decay. T depends on no state,
+    so every chunk's is formed at once, before the prefill kernel walks the chunks in order."""
+    seq = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    c = tl.program_id(2)
+    lo = tl.load(cu_ptr + seq).to(tl.int64)
+    length = tl.load(cu_ptr + seq + 1).to(tl.int64) - lo
+    start = tl.load(starts_ptr + seq).to(tl.int64)
+    if c < tl.where(length > 0, (start + length - 1) // CHUNK - start // CHUNK + 1, 0):
+        k_head = k_ptr + (h // GROUP) * k_sh
+        tok, valid = _chunk_tokens(lo, length, start, c, CHUNK)
+        r = tl.arange(0, CHUNK)
+        g = tl.load(g_ptr + tok * g_st + h * g_sh, mask=valid, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + tok * b_st + h * b_sh, mask=valid, other=0.0).to(tl.float32)
+        cum = tl.sum(tl.where(r[:, None] >= r[None, :], g[None, :], 0.0), axis=1)  # inclusive prefix sums of g
+        k_scale = _inverse_norms(k_head, tok, k_st, k_sd, valid, DK, BLOCK_DK)
+        dk = tl.arange(0, BLOCK_DK)
+        gram = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+        for d0 in range(0, DK, BLOCK_DK):
+            k = _load_rows(k_head, tok, k_st, k_sd, valid, d0 + dk, DK) * k_scale[:, None]
+            gram += tl.dot(k, tl.trans(k), input_precision="ieee")
+        below = r[:, None] > r[None, :]
+        lower = tl.where(below, gram * beta[:, None] * tl.exp(tl.where(below, cum[:, None] - cum[None, :], 0.0)),
+                         0.0)
+        base = tl.load(base_ptr + seq).to(tl.int64)
+        tl.store(inv_ptr + (base + c) * i_sc + h * i_sh + r[:, None] * CHUNK + r[None, :],
+                 unit_lower_inverse(lower, CHUNK))
+
+
+@triton.jit
 def _gated_delta_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, slots_ptr, starts_ptr, cu_ptr,
-                                out_ptr, q_st, q_sh, q_sd, k_st, k_sh, k_sd, v_st, v_sh, v_sd, g_st, g_sh,
-                                b_st, b_sh, s_ss, s_sh, s_sk, s_sv, o_st, o_sh, o_sd, scale,
+                                base_ptr, inv_ptr, out_ptr, q_st, q_sh, q_sd, k_st, k_sh, k_sd, v_st, v_sh, v_sd,
+                                g_st, g_sh, b_st, b_sh, s_ss, s_sh, s_sk, s_sv, i_sc, i_sh, o_st, o_sh, o_sd, scale,
                                 GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr,
                                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, COMPLETE_ONLY: tl.constexpr):
     """Program (i, h, j): sequence i, value head h, value columns [j * BLOCK_DV, (j + 1) * BLOCK_DV),
@@ -146,10 +203,11 @@ def _gated_delta_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr
     The state tile [Dk, BLOCK_DV] stays in the slot (fp32, in place) and is read and written
     BLOCK_DK rows at a time, as are q and k (BLOCK_DK columns at a time), so no tile is Dk wide:
     an fp32 dot holds its operands' whole rows per thread, and [CHUNK, Dk] operands with the
-    state in registers spilled kilobytes per thread at Dk = 128. The UT transform is solved by
-    forward substitution on the right-hand side [CHUNK, BLOCK_DV] directly, not by forming
-    (I + L)^-1. All loop trip counts are fixed by Dk and CHUNK, so every chunk runs the same
-    arithmetic. With COMPLETE_ONLY (exact replay) the state is written only after a complete chunk."""
+    state in registers spilled kilobytes per thread at Dk = 128. The UT transform's inverse T of
+    each chunk comes from `_ut_inverse_kernel` (formed once, not once per block of value columns,
+    and its solve's registers are not this program's). All loop trip counts are fixed by Dk and
+    CHUNK, so every chunk runs the same arithmetic. With COMPLETE_ONLY (exact replay) the state is
+    written only after a complete chunk."""
     seq = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     q_head = q_ptr + (h // GROUP) * q_sh
@@ -158,6 +216,7 @@ def _gated_delta_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr
     length = tl.load(cu_ptr + seq + 1).to(tl.int64) - lo
     start = tl.load(starts_ptr + seq).to(tl.int64)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
+    inv_head = inv_ptr + tl.load(base_ptr + seq).to(tl.int64) * i_sc + h * i_sh
 
     dk = tl.arange(0, BLOCK_DK)
     dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
@@ -169,49 +228,25 @@ def _gated_delta_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr
     first_chunk = start // CHUNK
     num_chunks = tl.where(length > 0, (start + length - 1) // CHUNK - first_chunk + 1, 0)
     for c in range(num_chunks):
-        # Row r of the tile is absolute position (first_chunk + c) * CHUNK + r; rows outside the
-        # sequence are zero (inert: g = 0 keeps the decay, k = beta = 0 adds nothing).
-        offset = (first_chunk + c) * CHUNK + r - start
-        valid = (offset >= 0) & (offset < length)
-        tok = lo + tl.where(valid, offset, 0)
+        tok, valid = _chunk_tokens(lo, length, start, c, CHUNK)
         v = tl.load(v_ptr + tok[:, None] * v_st + h * v_sh + dv[None, :].to(tl.int64) * v_sd,
                     mask=valid[:, None] & dv_mask[None, :], other=0.0).to(tl.float32)
         g = tl.load(g_ptr + tok * g_st + h * g_sh, mask=valid, other=0.0).to(tl.float32)
         beta = tl.load(beta_ptr + tok * b_st + h * b_sh, mask=valid, other=0.0).to(tl.float32)
         cum = tl.sum(tl.where(causal, g[None, :], 0.0), axis=1)  # inclusive prefix sums of g
         cum_last = tl.sum(tl.where(r == CHUNK - 1, cum, 0.0), axis=0)
-
         # q and k rows are L2-normalised (eps 1e-6), their squared norms summed first.
-        q_sq = tl.zeros([CHUNK], dtype=tl.float32)
-        k_sq = tl.zeros([CHUNK], dtype=tl.float32)
-        for d0 in range(0, DK, BLOCK_DK):
-            q = _load_rows(q_head, tok, q_st, q_sd, valid, d0 + dk, DK)
-            k = _load_rows(k_head, tok, k_st, k_sd, valid, d0 + dk, DK)
-            q_sq += tl.sum(q * q, axis=1)
-            k_sq += tl.sum(k * k, axis=1)
-        q_scale = tl.rsqrt(q_sq + 1e-6) * scale
-        k_scale = tl.rsqrt(k_sq + 1e-6)
+        q_scale = _inverse_norms(q_head, tok, q_st, q_sd, valid, DK, BLOCK_DK) * scale
+        k_scale = _inverse_norms(k_head, tok, k_st, k_sd, valid, DK, BLOCK_DK)
 
-        # v_new = T (beta v) - T (beta k exp(cum)) S = T (beta (v - exp(cum) k S)), T = (I + L)^-1 with
-        # L the strictly lower part of (beta k k^T) * decay. k k^T and k S over BLOCK_DK-wide steps, in
-        # separate loops (as q k^T and q S below) so that fewer dot operands are live at once.
-        gram = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+        # v_new = T (beta v) - T (beta k exp(cum)) S = T (beta (v - exp(cum) k S)), k S over
+        # BLOCK_DK-wide steps.
         k_state = tl.zeros([CHUNK, BLOCK_DV], dtype=tl.float32)
         for d0 in range(0, DK, BLOCK_DK):
             k = _load_rows(k_head, tok, k_st, k_sd, valid, d0 + dk, DK) * k_scale[:, None]
-            gram += tl.dot(k, tl.trans(k), input_precision="ieee")
-        for d0 in range(0, DK, BLOCK_DK):
-            k = _load_rows(k_head, tok, k_st, k_sd, valid, d0 + dk, DK) * k_scale[:, None]
             k_state += tl.dot(k, _load_state_rows(state_head, d0 + dk, s_sk, dv_mask, DK), input_precision="ieee")
-        decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
-        lower = tl.where(r[:, None] > r[None, :], gram * beta[:, None] * decay, 0.0)
-        # Forward substitution solves (I + L) v_new = rhs row by row: row i is rhs[i] minus
-        # sum_{j < i} L[i, j] v_new[j] (rows from i on still hold rhs).
-        v_new = beta[:, None] * (v - tl.exp(cum)[:, None] * k_state)
-        for i in range(1, CHUNK):
-            l_row = tl.sum(tl.where(r[:, None] == i, lower, 0.0), axis=0)
-            row = tl.sum(tl.where(r[:, None] == i, v_new, 0.0), axis=0) - tl.sum(l_row[:, None] * v_new, axis=0)
-            v_new = tl.where(r[:, None] == i, row[None, :], v_new)
+        ut_inverse = tl.load(inv_head + c * i_sc + r[:, None] * CHUNK + r[None, :])
+        v_new = rows_product(ut_inverse, beta[:, None] * (v - tl.exp(cum)[:, None] * k_state), CHUNK, BLOCK_DV)
 
         # out = exp(cum) q S + (q k^T * decay) v_new, q k^T and q S over BLOCK_DK-wide steps.
         scores = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
@@ -223,11 +258,8 @@ def _gated_delta_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr
         for d0 in range(0, DK, BLOCK_DK):
             q = _load_rows(q_head, tok, q_st, q_sd, valid, d0 + dk, DK) * q_scale[:, None]
             q_state += tl.dot(q, _load_state_rows(state_head, d0 + dk, s_sk, dv_mask, DK), input_precision="ieee")
-        # Products over the chunk's rows go as batched dots over groups of 16 rows (K = 16): a
-        # single dot with K = CHUNK would hold 64-long operand rows per thread.
-        v_groups = tl.reshape(v_new, [CHUNK // 16, 16, BLOCK_DV])
-        attn = tl.permute(tl.reshape(scores * decay, [CHUNK, CHUNK // 16, 16]), [1, 0, 2])
-        out = tl.exp(cum)[:, None] * q_state + tl.sum(tl.dot(attn, v_groups, input_precision="ieee"), axis=0)
+        decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
+        out = tl.exp(cum)[:, None] * q_state + rows_product(scores * decay, v_new, CHUNK, BLOCK_DV)
         tl.store(out_ptr + tok[:, None] * o_st + h * o_sh + dv[None, :].to(tl.int64) * o_sd,
                  out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & dv_mask[None, :])
 
@@ -237,6 +269,7 @@ def _gated_delta_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr
         rows_written = DK
         if COMPLETE_ONLY:  # an unfinished chunk leaves the state at its start: no row written
             rows_written = tl.where((first_chunk + c + 1) * CHUNK - start <= length, DK, 0)
+        v_groups = tl.reshape(v_new, [CHUNK // 16, 16, BLOCK_DV])
         for d0 in range(0, DK, BLOCK_DK):
             rows = d0 + dk
             mask = (rows < rows_written)[:, None] & dv_mask[None, :]
@@ -283,20 +316,33 @@ def gated_delta_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             states: torch.Tensor, slot_ids: torch.Tensor, start_positions: torch.Tensor, cu_seqlens: torch.Tensor,
             group: int, complete_only: bool) -> torch.Tensor:
-    """One launch over the sequences as given."""
+    """The chunks' UT inverses, then the walk along each sequence, over the sequences as given."""
     dim_k, num_v_heads, dim_v = q.shape[2], v.shape[1], v.shape[2]
-    batch = slot_ids.shape[0]
+    batch, tokens = slot_ids.shape[0], v.shape[0]
     out = torch.empty_like(v)
-    if batch == 0 or v.shape[0] == 0:
+    if batch == 0 or tokens == 0:
         return out
+    # Sequence i's chunks sit at base[i].. of the inverses; a sequence of n tokens spans at most
+    # n // CHUNK + 2 chunks, so the batch's chunks are bounded without reading the lengths back.
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    counts = torch.where(lengths > 0, (start_positions + lengths - 1) // CHUNK_SIZE
+                         - start_positions // CHUNK_SIZE + 1, 0)
+    base = torch.cumsum(counts, 0) - counts
+    max_chunks = tokens // CHUNK_SIZE + 2
+    inverses = torch.empty(tokens // CHUNK_SIZE + 2 * batch, num_v_heads, CHUNK_SIZE, CHUNK_SIZE,
+                           dtype=torch.float32, device=v.device)
+    block_dk = min(max(triton.next_power_of_2(dim_k), 16), PREFILL_BLOCK_DK)
+    _ut_inverse_kernel[(batch, num_v_heads, max_chunks)](
+        k, g, beta, start_positions, cu_seqlens, base, inverses, *k.stride(), *g.stride(), *beta.stride(),
+        *inverses.stride()[:2], GROUP=group, DK=dim_k, CHUNK=CHUNK_SIZE, BLOCK_DK=block_dk,
+        num_warps=PREFILL_NUM_WARPS)
     block_dv = min(max(triton.next_power_of_2(dim_v), 16), PREFILL_BLOCK_DV)
     grid = (batch, num_v_heads, triton.cdiv(dim_v, block_dv))
     _gated_delta_prefill_kernel[grid](
-        q, k, v, g, beta, states, slot_ids, start_positions, cu_seqlens, out, *q.stride(), *k.stride(),
-        *v.stride(), *g.stride(), *beta.stride(), *states.stride(), *out.stride(), dim_k ** -0.5,
-        GROUP=group, DK=dim_k, DV=dim_v, CHUNK=CHUNK_SIZE,
-        BLOCK_DK=min(max(triton.next_power_of_2(dim_k), 16), PREFILL_BLOCK_DK), BLOCK_DV=block_dv,
-        COMPLETE_ONLY=complete_only, num_warps=PREFILL_NUM_WARPS)
+        q, k, v, g, beta, states, slot_ids, start_positions, cu_seqlens, base, inverses, out, *q.stride(),
+        *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *states.stride(), *inverses.stride()[:2],
+        *out.stride(), dim_k ** -0.5, GROUP=group, DK=dim_k, DV=dim_v, CHUNK=CHUNK_SIZE, BLOCK_DK=block_dk,
+        BLOCK_DV=block_dv, COMPLETE_ONLY=complete_only, num_warps=PREFILL_NUM_WARPS)
     return out
 
 
