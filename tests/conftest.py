@@ -23,10 +23,11 @@ VARIANTS = {**CHECKPOINT_VARIANTS, **QWEN3_5_VARIANTS, **MOE_VARIANTS}
 def pytest_configure(config: pytest.Config) -> None:
     """A pytest-xdist worker takes its share of the intra-op threads (and passes it to the processes it
     starts): two workers of two OpenMP teams each on two cores would spin-wait against each other.
-    The kernels' own tests set 1 and 2 threads themselves; `.ci/run` runs the invariance tests again
-    in one process at the default thread count."""
+    The kernels' own tests set 1 and 2 threads themselves. With POCKETLLM_TEST_SHARE_THREADS=0 each
+    worker keeps the default thread count: `.ci/run` runs the invariance tests again so, with
+    OpenMP's threads waiting passively (OMP_WAIT_POLICY=PASSIVE) instead of spinning."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1:
+    if workers > 1 and os.environ.get("POCKETLLM_TEST_SHARE_THREADS", "1") != "0":
         threads = max(1, torch.get_num_threads() // workers)
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
