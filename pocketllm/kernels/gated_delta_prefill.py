@@ -137,6 +137,16 @@ def _load_state_rows(state_head, rows, s_sk, dv_mask, DK: tl.constexpr):
 
 
 @triton.jit
+def _sequence(cu_ptr, starts_ptr, seq, CHUNK: tl.constexpr):
+    """(first token row, length, start position, chunks spanned) of sequence seq, its chunks aligned
+    to absolute positions (the launcher counts them the same way for the inverses' buffer)."""
+    lo = tl.load(cu_ptr + seq).to(tl.int64)
+    length = tl.load(cu_ptr + seq + 1).to(tl.int64) - lo
+    start = tl.load(starts_ptr + seq).to(tl.int64)
+    return lo, length, start, tl.where(length > 0, (start + length - 1) // CHUNK - start // CHUNK + 1, 0)
+
+
+@triton.jit
 def _chunk_tokens(lo, length, start, c, CHUNK: tl.constexpr):
     """(token rows, valid) of the sequence's chunk c: row r is absolute position
     (start // CHUNK + c) * CHUNK + r; rows outside the sequence are masked (they load as inert zeros:
@@ -167,10 +177,8 @@ def _ut_inverse_kernel(k_ptr, g_ptr, beta_ptr, starts_ptr, cu_ptr, base_ptr, inv
     seq = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     c = tl.program_id(2)
-    lo = tl.load(cu_ptr + seq).to(tl.int64)
-    length = tl.load(cu_ptr + seq + 1).to(tl.int64) - lo
-    start = tl.load(starts_ptr + seq).to(tl.int64)
-    if c < tl.where(length > 0, (start + length - 1) // CHUNK - start // CHUNK + 1, 0):
+    lo, length, start, num_chunks = _sequence(cu_ptr, starts_ptr, seq, CHUNK)
+    if c < num_chunks:
         k_head = k_ptr + (h // GROUP) * k_sh
         tok, valid = _chunk_tokens(lo, length, start, c, CHUNK)
         r = tl.arange(0, CHUNK)
@@ -212,9 +220,7 @@ def _gated_delta_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr
     h = tl.program_id(1).to(tl.int64)
     q_head = q_ptr + (h // GROUP) * q_sh
     k_head = k_ptr + (h // GROUP) * k_sh
-    lo = tl.load(cu_ptr + seq).to(tl.int64)
-    length = tl.load(cu_ptr + seq + 1).to(tl.int64) - lo
-    start = tl.load(starts_ptr + seq).to(tl.int64)
+    lo, length, start, num_chunks = _sequence(cu_ptr, starts_ptr, seq, CHUNK)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     inv_head = inv_ptr + tl.load(base_ptr + seq).to(tl.int64) * i_sc + h * i_sh
 
@@ -226,7 +232,6 @@ def _gated_delta_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr
     r = tl.arange(0, CHUNK)
     causal = r[:, None] >= r[None, :]
     first_chunk = start // CHUNK
-    num_chunks = tl.where(length > 0, (start + length - 1) // CHUNK - first_chunk + 1, 0)
     for c in range(num_chunks):
         tok, valid = _chunk_tokens(lo, length, start, c, CHUNK)
         v = tl.load(v_ptr + tok[:, None] * v_st + h * v_sh + dv[None, :].to(tl.int64) * v_sd,
