@@ -79,8 +79,36 @@ def _patch_language_once_per_launch() -> None:
     launcher.__call__, function.__call__ = launch_grid, call
 
 
+def _cache_numpy_dtypes() -> None:
+    """Interpreted, every `tl` operation asks Triton for the numpy dtype of its result, and Triton
+    builds a table of 17 dtypes to answer each time: about a twentieth of an interpreted engine step.
+    Here each element type's answer is kept after Triton first gives it (pointers, which have no hash,
+    get Triton's answer for any pointer); the answers are Triton's own. Where the interpreter's
+    internals are not the ones this was written against (Triton 3.x), nothing is changed."""
+    from triton.runtime import interpreter as module
+
+    interpreter: Any = module
+    original = getattr(interpreter, "_get_np_dtype", None)
+    if original is None or not all(hasattr(tl, name) for name in ("block_type", "pointer_type", "int8")):
+        return
+    pointer = original(tl.pointer_type(tl.int8))
+    table: dict[Any, Any] = {}
+
+    def numpy_dtype(tt_dtype: Any) -> Any:
+        element = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(element, tl.pointer_type):
+            return pointer
+        found = table.get(element)
+        if found is None:
+            found = table[element] = original(element)
+        return found
+
+    interpreter._get_np_dtype = numpy_dtype
+
+
 if INTERPRETED and HAS_TRITON:
     _patch_language_once_per_launch()
+    _cache_numpy_dtypes()
 
 
 @contextmanager

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 
 from ..config import Backend, EngineArgs
 from ..kernels.backends import DEFAULT_BACKEND
@@ -53,8 +53,11 @@ def engine_property(overrides: Mapping[str, ImplSpec], preset: str, examples: in
     vocab = engines.serial.model_config.vocab_size
     failure: list[str] = []
 
+    # No "explain" phase: it reruns the shrunk example with each part varied, for notes the verdict
+    # does not print, and took most of a failing check's time.
     @settings(max_examples=examples, deadline=None, database=None, derandomize=True, report_multiple_bugs=False,
-              suppress_health_check=list(HealthCheck))
+              suppress_health_check=list(HealthCheck), phases=(Phase.explicit, Phase.reuse, Phase.generate,
+                                                               Phase.shrink))
     @given(workload=workloads(min(vocab, 256), max_prompt=40, max_jobs=8))
     def holds(workload: Workload) -> None:
         try:
