@@ -56,6 +56,21 @@ def threads(request):
     torch.set_num_threads(before)
 
 
+@pytest.fixture(params=["on", "off"], ids=lambda mode: f"pairing-{mode}")
+def lane_pairing(request):
+    """Run the test body with the C++ packed tiles taking two lanes at once, or one (a choice of speed
+    that each CPU makes for itself: kernels/cpu/lanes.h), so that both forms are tested on every CPU;
+    then let the CPU choose again."""
+    from pocketllm.kernels.cpu.extension import load_extension
+
+    module = load_extension()
+    if module is None:
+        pytest.skip("the C++ CPU kernels cannot be built here")
+    module.set_lane_pairing(request.param)
+    yield request.param
+    module.set_lane_pairing("auto")
+
+
 # -- independent float64 formulas ------------------------------------------------------------------
 
 # Tolerances of each op against its float64 formula, per input dtype.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_cases import lane_pairing as lane_pairing  # the fixture
 from kernel_tolerances import assert_close
 
 from pocketllm.kernels.cpu.extension import load_extension
@@ -171,7 +172,7 @@ def test_every_row_is_the_documented_order(variant, layout):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("layout", [(4, 4, 16), (16, 2, 24)], ids=str)
-def test_scores_by_packed_and_direct_tiles_are_the_documented_order(variant, layout):
+def test_scores_by_packed_and_direct_tiles_are_the_documented_order(variant, layout, lane_pairing):
     """A block's scores run the packed tiles over its pack's whole groups of keys when it has more than
     8 query vectors, else the direct tiles: blocks of 8 and 9 vectors (the choice), of 128 (more than
     one block of packed columns), ending inside a group of keys with the pack longer or not."""

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_cases import lane_pairing as lane_pairing  # the fixture
 
 from pocketllm.kernels._tree import tree_sum
 from pocketllm.kernels.cpu.extension import load_extension
@@ -81,7 +82,7 @@ def test_every_residue_of_k_is_the_documented_order(variant):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("m", [1, 2, 6, 9, 16, 40])  # the direct tiles (6: AVX2 interleaves two row groups over
 # chunks of K, 515 pairs here), then the packed ones from 16 rows
-def test_every_row_count_is_the_documented_order_and_each_row_alone(variant, threads, m):
+def test_every_row_count_is_the_documented_order_and_each_row_alone(variant, threads, m, lane_pairing):
     x, w, b = _data(m, 70, 1030, seed=m)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -143,7 +144,7 @@ def test_bad_operands_are_named():
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("shards", [2, 8])
-def test_shards_are_each_shard_product_summed_in_the_tree(variant, shards):
+def test_shards_are_each_shard_product_summed_in_the_tree(variant, shards, lane_pairing):
     for width in (17, 18, 64):  # an odd width: each slice one zero element more
         for m in (1, 5, 16, 20):
             x, w, _ = _data(m, 37, shards * width, seed=m * width + shards)

@@ -10,7 +10,8 @@
 - many rows (from 16 on the kernel packs x and W and carries each lane over K in blocks): every
   row is the same as computed alone and as the documented order, for row counts around the row
   groups (8 rows on AVX-512, 6 on AVX2), K across several blocks with a tail, N across several blocks
-  of columns and not a multiple of the tile, with and without a bias, at 1 and 2 threads;
+  of columns and not a multiple of the tile, with and without a bias, at 1 and 2 threads, with the
+  packed tiles taking two lanes at once and one (each CPU picks one for speed; both run here);
 - bf16 weights (widened to fp32 as they are loaded): the bits of the same weights widened beforehand,
   for any row count (direct and packed tiles), K with and without a tail, both variants; the avx2
   implementation registered beside the default gives the default's bits;
@@ -32,7 +33,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_cases import threads as threads  # the fixture
+from kernel_cases import lane_pairing as lane_pairing  # the fixtures
+from kernel_cases import threads as threads
 
 from pocketllm.kernels._tree import tree_sum
 from pocketllm.kernels.cpu.extension import load_extension
@@ -112,7 +114,7 @@ def test_a_row_is_the_same_in_any_row_count_and_position(variant):
 @pytest.mark.parametrize("m, n, k", [(15, 50, 83), (16, 50, 83), (63, 97, 17), (64, 149, 600), (65, 7, 1029),
                                      (127, 49, 5), (129, 100, 512), (200, 53, 33), (512, 20, 100),
                                      (17, 35, 2071), (33, 40, 4100)])
-def test_many_rows_are_each_row_alone_and_the_documented_order(variant, m, n, k, threads):
+def test_many_rows_are_each_row_alone_and_the_documented_order(variant, m, n, k, threads, lane_pairing):
     x, w, b = _data(m, n, k, seed=m + k, bias=m % 2 == 1)
     got = EXT.linear(x, w, b, variant)  # at `threads` threads, the rows alone at 1
     torch.set_num_threads(1)
@@ -223,7 +225,7 @@ def test_bf16_weights_give_the_bits_of_the_same_weights_in_fp32(variant, m, k):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("weights", ["float32", "bfloat16"])
 @pytest.mark.parametrize("residue", range(16))
-def test_every_k_residue_is_the_documented_order(variant, weights, residue):
+def test_every_k_residue_is_the_documented_order(variant, weights, residue, lane_pairing):
     """Each tail length K % 16 (0..15), below and above one 16-lane step, by the direct tiles (1 and 5
     rows) and the packed ones (20 rows), fp32 and bf16 weights: the documented order, bit for bit. A
     tail load that reads a wrong lane for some residues only is caught here."""
@@ -256,7 +258,8 @@ def test_the_avx2_implementation_is_registered_and_gives_the_default_bits():
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("weights", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shards", [2, 4, 8])
-def test_the_kernel_sums_its_shards_as_one_call_per_shard_and_the_tree_do(variant, weights, shards, threads):
+def test_the_kernel_sums_its_shards_as_one_call_per_shard_and_the_tree_do(variant, weights, shards, threads,
+                                                                          lane_pairing):
     """`linear_shards` (the row-parallel product's order in one call): bitwise each K slice's product
     by `linear`, summed in the fixed tree, for the direct and the packed tiles and slices with a tail
     (widths 17, 40, 64, and 2071: K blocks of the packed tiles); the shards as column slices of one

@@ -52,10 +52,11 @@ static void attend_item(const Item& it, Scratch& s) {
   // keys: scores past the block's last key are computed and never read.
   const float* qb = s.qb.data_ptr<float>();
   if (it.packed_keys != nullptr) {
-    const int64_t group = panel_group(1, dim), keys = std::min(it.packed_length, (length + group - 1) / group * group);
+    const int64_t group = panel_group(1, dim, it.pairs);
+    const int64_t keys = std::min(it.packed_length, (length + group - 1) / group * group);
     for (int64_t n0 = 0; n0 < n; n0 += PANEL_COLS)
       panel_columns<float>(it.packed_keys, 0, keys, dim, &qb, dim, 1, nullptr, s.scores.data(), n, n0,
-                           std::min(n, n0 + PANEL_COLS), s.acc.data(), s.wp.data(), nullptr);
+                           std::min(n, n0 + PANEL_COLS), s.acc.data(), s.wp.data(), nullptr, it.pairs);
   } else {
     shard_columns<float>(it.keys, length, it.stride, &qb, dim, 1, dim, s.scores.data(), n, 0, n, nullptr);
   }

@@ -70,6 +70,7 @@ struct Item {
   int64_t value_row, value_column;  // packed: 16 and the pack's length x 16 (dim zero-padded to 16s)
   float scale;
   float* out;                 // as q
+  bool pairs;                 // lanes.h's `pairs_lanes`, as the keys were packed
   int64_t offset(int64_t i) const { return ((t0 + i / group) * heads + h0 + i % group) * dim; }
   const float* query(int64_t i) const { return q + offset(i); }
   float* output(int64_t i) const { return out + offset(i); }
@@ -227,8 +228,9 @@ at::Tensor attention_rows(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, 
   auto vectors_of = [&](int64_t b) { return (starts[b + 1] - starts[b]) * group; };  // query vectors of a block
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return length_of(a) > length_of(b); });
   const int64_t longest = length_of(order[0]), items = blocks * kv_heads;
+  const bool pairs = pairs_lanes();  // read once: the keys' packing and the tiles must agree
   const Packed packed(kp, vp, slots, starts, max_len, kv_heads, dim, length_of, vectors_of,
-                      wide ? avx512::panel_group(1, dim) : avx2::panel_group(1, dim),
+                      wide ? avx512::panel_group(1, dim, pairs) : avx2::panel_group(1, dim, pairs),
                       wide ? avx512::pack_rows : avx2::pack_rows);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
@@ -244,7 +246,7 @@ at::Tensor attention_rows(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, 
       const Item it{qp, kp + base, packed_keys, in_pack ? packed.length[pack] : 0,
                     values, positions, t0, n, heads, kvh * group, group,
                     kv_heads * dim, dim, length_of(block), in_pack ? 16 : kv_heads * dim,
-                    in_pack ? packed.length[pack] * 16 : 16, float(scale), op};
+                    in_pack ? packed.length[pack] * 16 : 16, float(scale), op, pairs};
       if (wide) avx512::attend_item(it, scratch);
       else avx2::attend_item(it, scratch);
     }

@@ -4,8 +4,27 @@
 // bits on both. Shared by linear.cpp and attention.cpp.
 #pragma once
 #include <immintrin.h>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+
+// Whether the packed tiles (tile.h) take two lanes at once where they may (`paired`): a choice of speed
+// only, since both forms give every output the same FMA sequence and lane tree. Off on CPUs whose 256-bit
+// operations run as two 128-bit halves, loads included (AMD Zen 1 and Zen+, GCC's "znver1"): there the
+// paired tile's loads (10 per 12 FMAs, against 8) bound it, and one lane at a time measured 10-25%
+// faster (the tree's 8 shards at 512 rows 0.62-0.85x -> 0.85-0.96x the unsharded product); on Zen 3 two
+// lanes measured 1.1x. `lane_pairing_forced` (-1: the CPU decides, 0: off, 1: on) lets the tests run
+// both forms on any CPU. A call reads it once (`pairs_lanes`) and hands the answer down.
+inline std::atomic<int> lane_pairing_forced{-1};
+inline bool pairs_lanes() {
+  const int forced = lane_pairing_forced.load(std::memory_order_relaxed);
+  if (forced >= 0) return forced == 1;
+  static const bool halves = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("znver1") != 0;
+  }();
+  return !halves;
+}
 
 // A bf16 weight element: the upper 16 bits of the fp32 with the same value.
 struct BF16 {

@@ -69,7 +69,7 @@ struct Kernels {
   void (*columns)(const float*, int64_t, int64_t, const WT*, int64_t, int64_t, const float*, float*, int64_t,
                   int64_t, int64_t);
   void (*panel_columns)(const float*, int64_t, int64_t, int64_t, const WT* const*, int64_t, int64_t, const float*,
-                        float*, int64_t, int64_t, int64_t, float*, float*, float*);
+                        float*, int64_t, int64_t, int64_t, float*, float*, float*, bool);
   void (*shard_columns)(const float*, int64_t, int64_t, const WT* const*, int64_t, int64_t, int64_t, float*, int64_t,
                         int64_t, int64_t, float*);
 };
@@ -77,7 +77,7 @@ struct Variant {
   Kernels<float> fp32;
   Kernels<BF16> bf16;
   void (*pack_rows)(const float*, int64_t, int64_t, int64_t, int, float*);
-  int64_t (*panel_group)(int64_t, int64_t);  // rows per group of the packed tiles, for S shards of K
+  int64_t (*panel_group)(int64_t, int64_t, bool);  // rows per group of the packed tiles, for S shards of K
   bool flush_denormals;  // DAZ and FTZ while it runs: the bf16 dot products' rule (`Denormals`)
 
   template <typename WT>
@@ -194,7 +194,8 @@ static void run(const Variant& variant, const float* xp, int64_t ldx, int64_t M,
     });
     return;
   }
-  const int64_t group = variant.panel_group(S, K), groups = (M + group - 1) / group, steps = (K + 15) / 16;
+  const bool pairs = pairs_lanes();  // read once: the packing below and the tiles must agree
+  const int64_t group = variant.panel_group(S, K, pairs), groups = (M + group - 1) / group, steps = (K + 15) / 16;
   const int64_t block = panel_block_columns(S * K), blocks = (N + block - 1) / block;
   const int64_t acc = avx512::PANEL_ROWS * avx512::PANEL_COLS * 16, shard_packed = groups * group * steps * 16;
   // panel_columns' tree: one slot per level of the shard tree, the last one the whole sum (S a power of two)
@@ -218,7 +219,7 @@ static void run(const Variant& variant, const float* xp, int64_t ldx, int64_t M,
     std::fill(sp, sp + acc, 0.0f);  // sums (tile.h) reads the lanes past a narrow block's last column too
     take_items(next_block, blocks, [&](int64_t i) {
       v.panel_columns(pp, shard_packed, M, K, ws, ldw, S, bp, yp, N, i * block, std::min(N, (i + 1) * block), sp,
-                      sp + acc, sp + acc + S * block * steps * 16);
+                      sp + acc, sp + acc + S * block * steps * 16, pairs);
     });
   });
 }
@@ -378,6 +379,13 @@ at::Tensor linear_shards(at::Tensor x, std::vector<at::Tensor> shards, const std
   return shard_tree(x, shards, variant, false);
 }
 
+// lanes.h's `lane_pairing_forced`, by name; the bits are the same in every mode.
+static void set_lane_pairing(const std::string& mode) {
+  TORCH_CHECK_VALUE(mode == "auto" || mode == "on" || mode == "off", "mode must be 'auto', 'on' or 'off', got '",
+                    mode, "'");
+  lane_pairing_forced.store(mode == "auto" ? -1 : mode == "on" ? 1 : 0);
+}
+
 // `linear_shards` on bf16 dot products: each shard `linear_bf16_dot`'s order, the same tree.
 at::Tensor linear_bf16_dot_shards(at::Tensor x, std::vector<at::Tensor> shards, const std::string& variant) {
   return shard_tree(x, shards, variant, true);
@@ -407,6 +415,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_shards", &linear_shards, "x @ W^T for W in K shards, their products summed in the fixed tree",
         pybind11::arg("x"), pybind11::arg("shards"), pybind11::arg("variant") = "");
   m.def("best_variant", &best_variant, "the instruction set the kernel runs by default");
+  m.def("lane_pairing", &pairs_lanes, "whether the packed tiles take two lanes at once (speed only, lanes.h)");
+  m.def("set_lane_pairing", &set_lane_pairing, "'auto' (the CPU decides), 'on' or 'off': for tests of both forms",
+        pybind11::arg("mode"));
   m.def("linear_bf16_dot_shards", &linear_bf16_dot_shards, "linear_shards on bf16 dot products",
         pybind11::arg("x"), pybind11::arg("shards"), pybind11::arg("variant") = "");
   m.def("linear_bf16_dot", &linear_bf16_dot, "y = x @ W^T (+ b) for bf16 W on bf16 dot products, in one order",

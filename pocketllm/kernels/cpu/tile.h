@@ -403,17 +403,19 @@ static inline typename Lanes::V column_tree(const float* lanes, int64_t stride) 
   return s[0];
 }
 
-// Whether the packed tiles take two lanes at once (panel_tile's PAIR): for shards (S > 1) and for a K
-// of 16 steps or fewer (the attention's scores over a head dim), where the accumulators' stores and the
-// lane tree are a large share of a short K's work.
-static inline bool paired(int64_t S, int64_t K) { return S > 1 || steps_of(K) <= 16; }
+// Whether the packed tiles take two lanes at once (panel_tile's PAIR): where the CPU `pairs` them
+// (lanes.h's `pairs_lanes`), for shards (S > 1) and for a K of 16 steps or fewer (the attention's scores
+// over a head dim), where the accumulators' stores and the lane tree are a large share of a short K's work.
+static inline bool paired(int64_t S, int64_t K, bool pairs) { return pairs && (S > 1 || steps_of(K) <= 16); }
 
 // Rows in a group of the packed tiles: PANEL_ROWS, or half as many where they are `paired`.
-static inline int64_t panel_group(int64_t S, int64_t K) { return paired(S, K) ? PANEL_ROWS / 2 : PANEL_ROWS; }
+static inline int64_t panel_group(int64_t S, int64_t K, bool pairs) {
+  return paired(S, K, pairs) ? PANEL_ROWS / 2 : PANEL_ROWS;
+}
 
 // Output columns [n0, n1) (at most PANEL_COLS) of every row, for W in S shards of K columns each (shard s:
-// ws[s], [N, K] with rows ldw apart; S = 1: one matrix), from x packed by groups of panel_group(S, K) rows
-// per shard (shard s's group g at xp + s * xstride + g * panel_group(S, K) * steps_of(K) * 16). Each shard's
+// ws[s], [N, K] with rows ldw apart; S = 1: one matrix), from x packed by groups of panel_group(S, K, pairs)
+// rows per shard (shard s's group g at xp + s * xstride + g * that group * steps_of(K) * 16). Each shard's
 // outputs are carried over its K, then summed by `column_tree`; S > 1 (no bias): the shards' sums are
 // added in the shard tree, (0+1), (2+3), ..., then pairs of those, kept level by level in `tree`
 // (at least (log2 S + 1) * PANEL_ROWS * PANEL_COLS floats) as each shard ends, so that no shard's
@@ -422,12 +424,12 @@ static inline int64_t panel_group(int64_t S, int64_t K) { return paired(S, K) ? 
 template <typename WT>
 static void panel_columns(const float* xp, int64_t xstride, int64_t M, int64_t K, const WT* const* ws, int64_t ldw,
                           int64_t S, const float* bias, float* y, int64_t ldy, int64_t n0, int64_t n1, float* acc,
-                          float* wp, float* tree) {
+                          float* wp, float* tree, bool pairs) {
   const int64_t steps_k = steps_of(K), width = n1 - n0;
   const int64_t padded = (width + PANEL_TILE - 1) / PANEL_TILE * PANEL_TILE, shard_packed = steps_k * padded * 16;
   for (int64_t s = 0; s < S; ++s) pack_columns(ws[s], ldw, K, n0, n1, wp + s * shard_packed);
-  const int64_t outputs = PANEL_ROWS * PANEL_COLS, group = panel_group(S, K);
-  const bool pair = paired(S, K);
+  const int64_t outputs = PANEL_ROWS * PANEL_COLS, group = panel_group(S, K, pairs);
+  const bool pair = paired(S, K, pairs);
   for (int64_t m = 0; m < M; m += group) {
     const int rows = int(M - m < group ? M - m : group);
     for (int64_t shard = 0; shard < S; ++shard) {
