@@ -70,7 +70,9 @@ def main() -> None:
     if module is None or module.best_variant() != "avx512":
         del impls["fixed_order_avx2"]  # it is the default variant, or nothing runs
     print(f"# {cpu_name()}, {args.threads} threads, torch {torch.__version__}, fixed-order variant "
-          f"{None if module is None else module.best_variant()}", flush=True)
+          f"{None if module is None else module.best_variant()}, packed tiles "
+          f"{None if module is None else 'two lanes at once' if module.lane_pairing() else 'one lane at a time'}",
+          flush=True)
     header = "| K | N | rows | " + " | ".join(impls) + " | fixed / best MKL |"
     table = [header, "|" + "---|" * (header.count("|") - 1)]
     for k, n in (SHAPES[i] for i in args.shapes):

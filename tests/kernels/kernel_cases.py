@@ -67,6 +67,7 @@ def lane_pairing(request):
     if module is None:
         pytest.skip("the C++ CPU kernels cannot be built here")
     module.set_lane_pairing(request.param)
+    assert module.lane_pairing() == (request.param == "on")
     yield request.param
     module.set_lane_pairing("auto")
 
