@@ -106,9 +106,77 @@ def _cache_numpy_dtypes() -> None:
     interpreter._get_np_dtype = numpy_dtype
 
 
+def _plain_shape(shape: Any) -> tuple[int, ...] | None:
+    """A block type's shape as Triton takes it (a list or `tl.tuple` of ints or constexprs) as plain
+    ints, or None for anything else (Triton's own checks then see it, and refuse what they refuse)."""
+    values = shape.values if isinstance(shape, tl.tuple) else shape
+    if type(values) is not list:
+        return None
+    plain = tuple(v.value if type(v) is tl.constexpr else v for v in values)
+    return plain if all(type(v) is int for v in plain) else None
+
+
+def _share_type_objects() -> None:
+    """Interpreted, every `tl` operation builds its result's type anew: a block type unwraps and
+    validates its shape and formats its name, a tensor wraps each dimension in a constexpr, and a
+    binary operation compares its operands' shapes dimension by dimension to broadcast them. That is
+    about a third of an interpreted Gated DeltaNet prefill. Here a block type or tensor of a shape seen
+    before shares the objects Triton built for it the first time (nothing changes them after
+    construction; a shape Triton refuses is never kept, so it is refused every time), and operands of
+    one shape pass through the broadcast unchanged, as Triton's broadcast returns them. Where Triton's
+    types are not the ones this was written against (Triton 3.x), nothing is changed."""
+    from triton.language import semantic as module
+
+    semantic: Any = module
+    probe = tl.block_type(tl.float32, [2, 4])
+    if not (hasattr(semantic, "TritonSemantic") and isinstance(getattr(probe, "shape", None), tl.tuple)
+            and hasattr(probe.shape, "values") and hasattr(probe, "numel") and hasattr(probe, "name")):
+        return
+    block_init, tensor_init = tl.block_type.__init__, tl.tensor.__init__
+    broadcast = semantic.TritonSemantic.broadcast_impl_value
+    block_parts: dict[tuple[str, tuple[int, ...]], tuple[Any, Any, Any]] = {}
+    tensor_parts: dict[tuple[int, ...], tuple[Any, Any]] = {}
+
+    def shared_block_init(self: Any, element_ty: Any, shape: Any) -> None:
+        plain = _plain_shape(shape)
+        key = None if plain is None else (str(element_ty), plain)  # the name is formatted from str(element_ty)
+        parts = block_parts.get(key) if key is not None else None
+        if parts is None:
+            block_init(self, element_ty, shape)
+            if key is not None:
+                block_parts[key] = (self.shape, self.numel, self.name)
+            return
+        self.element_ty = element_ty
+        self.shape, self.numel, self.name = parts
+
+    def shared_tensor_init(self: Any, handle: Any, type: Any) -> None:
+        plain = tuple(type.shape.values) if type.is_block() else ()
+        parts = tensor_parts.get(plain)
+        if parts is None:
+            tensor_init(self, handle, type)
+            tensor_parts[plain] = (self.shape, self.numel)
+            return
+        self.handle, self.type, self.dtype = handle, type, type.scalar
+        self.shape, self.numel = parts
+
+    def broadcast_values(self: Any, lhs: Any, rhs: Any) -> Any:
+        left, right = lhs.type, rhs.type
+        if left.is_block() and right.is_block() and left.shape.values == right.shape.values:
+            return lhs, rhs
+        return broadcast(self, lhs, rhs)
+
+    shared: Any
+    for shared, own in ((shared_block_init, block_init), (shared_tensor_init, tensor_init),
+                        (broadcast_values, broadcast)):
+        shared.__wrapped__ = own  # Triton's own, for inspect.unwrap
+    tl.block_type.__init__, tl.tensor.__init__ = shared_block_init, shared_tensor_init
+    semantic.TritonSemantic.broadcast_impl_value = broadcast_values
+
+
 if INTERPRETED and HAS_TRITON:
     _patch_language_once_per_launch()
     _cache_numpy_dtypes()
+    _share_type_objects()
 
 
 @contextmanager

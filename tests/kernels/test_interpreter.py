@@ -1,12 +1,16 @@
 """Interpreted, a launch patches Triton's language once per module of the functions its kernel
-calls (pocketllm.kernels._triton), not at every call, and each element type's numpy dtype is looked up
-once: the kernels' results are unchanged."""
+calls (pocketllm.kernels._triton), not at every call, each element type's numpy dtype is looked up
+once, and block types and tensors of a shape seen before share Triton's objects for it: the kernels'
+results are unchanged."""
 
 from __future__ import annotations
+
+import inspect
 
 import numpy as np
 import pytest
 import torch
+from kernel_cases import gdn_inputs, gdn_states
 
 from pocketllm.kernels._triton import HAS_TRITON, INTERPRETED, tl, triton
 
@@ -77,3 +81,64 @@ def test_kernels_still_load_every_element_type(dtype):
     out = torch.empty(16)
     _widen_kernel[(1,)](x, out, N=16)
     assert torch.equal(out, x.float() * 2)
+
+
+def _triton_own(monkeypatch) -> None:
+    """Triton's own type constructors and broadcast in place of the shared ones, for this test."""
+    from triton.language import semantic
+
+    for owner in (tl.block_type, tl.tensor):
+        monkeypatch.setattr(owner, "__init__", inspect.unwrap(owner.__init__))
+    broadcast = semantic.TritonSemantic.broadcast_impl_value
+    monkeypatch.setattr(semantic.TritonSemantic, "broadcast_impl_value", inspect.unwrap(broadcast))
+
+
+@pytest.mark.parametrize("shape", [[2, 4], [8], [tl.constexpr(4), 16], tl.tuple([2, 8])])
+def test_a_shared_block_type_is_the_one_triton_builds(shape):
+    assert tl.block_type.__init__.__module__ == "pocketllm.kernels._triton"  # the sharing is installed
+    shared = [tl.block_type(tl.float32, shape) for _ in range(2)]  # the second from what the first kept
+    own = object.__new__(tl.block_type)
+    inspect.unwrap(tl.block_type.__init__)(own, tl.float32, shape)
+    for block in shared:
+        assert (block.element_ty, list(block.shape), block.numel, block.name) == \
+            (own.element_ty, list(own.shape), own.numel, own.name)
+        assert block == own
+    other = tl.block_type(tl.int32, shape)  # same shape, another element type: its own name
+    assert other.element_ty == tl.int32 and other.name != shared[0].name and other != own
+
+
+def _outcome(init, shape) -> str:
+    try:
+        init(object.__new__(tl.block_type), tl.float32, shape)
+    except Exception as error:  # noqa: BLE001 - the outcome compared is the error's type
+        return type(error).__name__
+    return "built"
+
+
+def test_what_triton_refuses_is_refused_every_time():
+    """Shapes Triton refuses (not a power of 2, no dimension, given as another kind of sequence),
+    each also after the same dimensions were built as a list: the same outcome as Triton's own."""
+    own = inspect.unwrap(tl.block_type.__init__)
+    shapes = [[4, 8], [3, 4], [], (4, 8), [4.0, 8], [tl.constexpr(3)]]
+    expected = [_outcome(own, shape) for shape in shapes]
+    assert expected[0] == "built" and expected[1:3] == ["ValueError", "TypeError"]
+    for _ in range(2):
+        assert [_outcome(tl.block_type.__init__, shape) for shape in shapes] == expected
+
+
+def test_a_gated_delta_prefill_has_the_bits_of_tritons_own_types(monkeypatch):
+    """A kernel of many shapes, broadcasts and element types (the chunked Gated DeltaNet prefill, two
+    sequences, one of them past a chunk): the same bits with the shared objects and with Triton's own."""
+    from pocketllm.kernels.gated_delta_prefill import gated_delta_prefill_triton
+
+    inputs = gdn_inputs(70, 1, 2, 16, 8, torch.float32, seed=3, device="cpu")
+    slots, starts, cu = (torch.tensor(values) for values in ([0, 1], [0, 5], [0, 66, 70]))
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        states = gdn_states(2, 2, 16, 8, seed=4, device="cpu")
+        return gated_delta_prefill_triton(*inputs, states, slots, starts, cu), states
+
+    shared = run()
+    _triton_own(monkeypatch)
+    own = run()
+    assert all(torch.equal(a, b) for a, b in zip(shared, own))
