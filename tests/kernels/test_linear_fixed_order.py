@@ -292,3 +292,9 @@ def test_in_shards_runs_the_kernel_natively_and_any_other_linear_one_call_per_sh
     assert torch.equal(in_shards(linear_fixed_order, x, [w]), linear_fixed_order(x, w))
     with pytest.raises(ValueError, match="power of two"):
         EXT.linear_shards(x[:, :48], parts[:3])
+    # Every shard is checked, not only the first: a narrower, a wider, a bf16 and a 1-D last shard.
+    for last in (parts[3][:, :8], torch.cat([parts[3], parts[3]], 1), parts[3].bfloat16(), parts[3][0]):
+        with pytest.raises(ValueError, match="the shards differ in shape, dtype or device"):
+            EXT.linear_shards(x, parts[:3] + [last])
+    with pytest.raises(ValueError, match="x must be"):
+        EXT.linear_shards(x[:, :40], parts)

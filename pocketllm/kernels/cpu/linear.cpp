@@ -343,14 +343,18 @@ at::Tensor linear_bf16_dot(at::Tensor x, at::Tensor weight, c10::optional<at::Te
 static at::Tensor shard_tree(at::Tensor x, std::vector<at::Tensor> shards, const std::string& variant, bool dot) {
   const int64_t S = int64_t(shards.size());
   TORCH_CHECK_VALUE(S >= 1 && (S & (S - 1)) == 0, "the number of shards must be a power of two, got ", S);
-  const int64_t M = x.size(0), width = shards[0].size(1), N = shards[0].size(0);
+  const at::Tensor& first = shards[0];
+  TORCH_CHECK_VALUE(first.dim() == 2, "each shard must be [N, K / S], got ", first.dim(), " dimensions");
+  const int64_t M = x.size(0), width = first.size(1), N = first.size(0);
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == S * width, "x must be [M, K] with K = ", S, " shards x ", width);
+  check_operands(x.narrow(1, 0, width), first);  // once: a narrowed x is a tensor made per call
   bool in_place = !(dot && width % 2);
   for (const auto& shard : shards) {
-    check_operands(x.narrow(1, 0, width), shard);
-    TORCH_CHECK_VALUE(shard.size(0) == N && shard.dtype() == shards[0].dtype(), "the shards differ in shape or dtype");
+    TORCH_CHECK_VALUE(shard.dim() == 2 && shard.size(0) == N && shard.size(1) == width &&
+                          shard.dtype() == first.dtype() && shard.device() == first.device(),
+                      "the shards differ in shape, dtype or device");
     TORCH_CHECK_VALUE(!dot || shard.dtype() == at::kBFloat16, "bf16 dot products take bf16 shards");
-    in_place = in_place && shard.stride(1) == 1 && shard.stride(0) == shards[0].stride(0) && shard.stride(0) >= width &&
+    in_place = in_place && shard.stride(1) == 1 && shard.stride(0) == first.stride(0) && shard.stride(0) >= width &&
                (!dot || (shard.stride(0) % 2 == 0 && shard.storage_offset() % 2 == 0));  // whole pairs
   }
   // bf16 dot products on an odd width: each shard one zero column more, as each slice of x (below)
@@ -389,6 +393,29 @@ static void set_lane_pairing(const std::string& mode) {
 // `linear_shards` on bf16 dot products: each shard `linear_bf16_dot`'s order, the same tree.
 at::Tensor linear_bf16_dot_shards(at::Tensor x, std::vector<at::Tensor> shards, const std::string& variant) {
   return shard_tree(x, shards, variant, true);
+}
+
+// y [M, N] = `linear_shards` of x [M, S * K] (rows ldx apart) and the S shards of `shards` [S, N, K]
+// (fp32 or bf16, rows equally far apart, each row contiguous): moe.cpp's sharded down matrices, read in
+// place, with no tensor made per shard.
+void linear_shards_into(const float* x, int64_t ldx, int64_t M, const at::Tensor& shards, float* y) {
+  TORCH_CHECK_VALUE((shards.dtype() == at::kFloat || shards.dtype() == at::kBFloat16) && shards.dim() == 3 &&
+                        shards.stride(2) == 1 && shards.device().is_cpu(),
+                    "linear_shards_into takes fp32 or bf16 CPU shards [S, N, K] whose rows are contiguous");
+  const int64_t S = shards.size(0), N = shards.size(1), K = shards.size(2);
+  TORCH_CHECK_VALUE(S >= 1 && S <= 64 && (S & (S - 1)) == 0, "the number of shards must be a power of two, got ", S);
+  if (M == 0 || N == 0) return;
+  const Variant& v = variant_of("", M);
+  if (shards.dtype() == at::kBFloat16) {
+    std::vector<const BF16*> ws;
+    const BF16* base = reinterpret_cast<const BF16*>(shards.data_ptr<at::BFloat16>());
+    for (int64_t s = 0; s < S; ++s) ws.push_back(base + s * shards.stride(0));
+    run(v, x, ldx, M, K, ws.data(), shards.stride(1), S, N, nullptr, y);
+  } else {
+    std::vector<const float*> ws;
+    for (int64_t s = 0; s < S; ++s) ws.push_back(shards.data_ptr<float>() + s * shards.stride(0));
+    run(v, x, ldx, M, K, ws.data(), shards.stride(1), S, N, nullptr, y);
+  }
 }
 
 // y [M, N] = x [M, K] (rows ldx apart) @ weight^T in the order above, weight [N, K] contiguous fp32 or

@@ -4,7 +4,8 @@
 // function of K alone, so a pair's bits are those of its row alone, whichever rows share its expert;
 // the grouping only decides which rows go through one call, and no Python runs per expert. A down
 // matrix given as S input-feature shards ([E, S, H, I/S]) is multiplied as linear.cpp's
-// `linear_shards` multiplies them: the shards' products summed in the fixed tree (parallel/tree.py).
+// `linear_shards` multiplies them, read in place (`linear_shards_into`, no tensor made per shard): the
+// shards' products summed in the fixed tree (parallel/tree.py).
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -14,7 +15,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 void linear_into(const float* x, int64_t ldx, int64_t M, int64_t K, const at::Tensor& weight, float* y);  // linear.cpp
-at::Tensor linear_shards(at::Tensor x, std::vector<at::Tensor> shards, const std::string& variant);  // linear.cpp
+void linear_shards_into(const float* x, int64_t ldx, int64_t M, const at::Tensor& shards, float* y);  // linear.cpp
 at::Tensor linear_bf16_dot(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias,
                            const std::string& variant);  // linear.cpp
 at::Tensor linear_bf16_dot_shards(at::Tensor x, std::vector<at::Tensor> shards, const std::string& variant);
@@ -82,10 +83,10 @@ at::Tensor moe_experts(at::Tensor x, at::Tensor topk_ids, at::Tensor w_gate_up, 
     for (int64_t r = 0; r < n; ++r) std::memcpy(rp + r * hidden, xp + chosen[r] / top_k * hidden, row_bytes);
     product(rows, n, w_gate_up[e], dot, gp);
     silu_and_mul_into(gp, n, inter, 2 * inter, hp);
-    if (sharded) {
-      const at::Tensor h = hidden_rows.narrow(0, 0, n);
-      const at::Tensor summed = dot ? linear_bf16_dot_shards(h, w_down[e].unbind(0), "")
-                                    : linear_shards(h, w_down[e].unbind(0), "");
+    if (sharded && !dot) {
+      linear_shards_into(hp, inter, n, w_down[e], dp);
+    } else if (sharded) {
+      const at::Tensor summed = linear_bf16_dot_shards(hidden_rows.narrow(0, 0, n), w_down[e].unbind(0), "");
       std::memcpy(dp, summed.data_ptr<float>(), size_t(n) * row_bytes);
     } else {
       product(hidden_rows, n, w_down[e], dot, dp);
