@@ -32,7 +32,7 @@ import torch
 
 from .cache import LayerCacheSpec, SlotCache, StateSnapshot, SwappedSlot
 from .kernels import Ops
-from .kernels.linear import NATIVE_SHARDS
+from .kernels.linear import native_shards
 from .models.batch import ForwardBatch
 from .parallel.group import TensorParallel, open_store
 from .parallel.pipeline import PipelineStage, stage_layers
@@ -102,7 +102,7 @@ def rank_parallel(args: EngineArgs, ops: Ops, rank: int, num_layers: int) -> tup
     parallelism one object, its shard's; in a pipeline, an unsharded model of its stage's layers,
     whose group is the stages'. The tree's default at one rank follows the kernels (`tree_enabled`)."""
     size, stages = args.tensor_parallel_size, args.pipeline_parallel_size
-    native = args.torch_dtype == torch.float32 and {ops.linear, ops.prefill_linear} <= NATIVE_SHARDS.keys()
+    native = all(native_shards(linear, args.torch_dtype) for linear in (ops.linear, ops.prefill_linear))
     tree = tree_enabled(args.options.backend.tree_reduction, size, native)
     if stages == 1:
         tp = TensorParallel(rank, size, tree=tree, expert_parallel=args.enable_expert_parallel, shards_in_place=native)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+REDUCTION_SHARDS = 8  # so tensor-parallel sizes 1, 2, 4 and 8 agree bit for bit
+
 
 def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
     """Sum a power-of-two number of tensors pairwise, level by level, in list order."""

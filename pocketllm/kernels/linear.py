@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from ._cases import ROWS, randn, rows
-from ._tree import tree_sum
-from ._triton import kernel_device_ok, launch_device_type, tl, triton
+from ._linear_triton import linear_triton, linear_triton_shards
+from ._tree import REDUCTION_SHARDS, tree_sum
 from .cpu.extension import load_extension, unavailable_reason
 from .spec import Call, Cost, Layout, OpSpec, Step, size
 
@@ -190,134 +190,54 @@ def in_shards(linear: Callable[..., torch.Tensor], x: torch.Tensor, shards: Sequ
     """x @ W^T for W given as its K slices `shards` (a power of two of them, of equal width): each
     slice's product by `linear`, summed in the fixed tree (`_tree.tree_sum`). The order of a
     row-parallel product at every tensor-parallel size (`parallel/tree.py`). The C++ fixed-order
-    kernel sums its shards itself, in one call and in the same order (`NATIVE_SHARDS`); any other
-    implementation runs one call per shard."""
+    kernel and the Triton kernel sum their shards themselves, in one call and in the same order
+    (`native_shards`); any other implementation runs one call per shard."""
     if len(shards) == 1:
         return linear(x, shards[0])
-    native = NATIVE_SHARDS.get(linear)
-    if native is not None and x.dtype == torch.float32 and load_extension() is not None:
+    native = native_shards(linear, x.dtype)
+    if native is not None and len(shards) <= MAX_NATIVE_SHARDS:
         return native(x, shards)
     width = shards[0].shape[1]
     return tree_sum([linear(x[:, i * width:(i + 1) * width].contiguous(), shard) for i, shard in enumerate(shards)])
 
 
-def _native_shards(variant: str, dot: bool = False) -> Callable[[torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]:
+Sharded = Callable[[torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
+MAX_NATIVE_SHARDS = 8  # the most shards the kernels sum in one call (the fixed tree has 8)
+
+
+def native_shards(linear: Callable[..., torch.Tensor], dtype: torch.dtype) -> Sharded | None:
+    """The one-call form of `linear` over a matrix's K shards for rows of `dtype` (bit for bit what
+    `in_shards` gives with one call per shard), or None where there is none: the C++ kernels take
+    fp32 rows (where they build here), the Triton kernel any dtype."""
+    if linear is linear_triton:
+        return linear_triton_shards
+    native = _CPU_SHARDS.get(linear)
+    return native if native is not None and dtype == torch.float32 and load_extension() is not None else None
+
+
+def _native_shards(variant: str, dot: bool = False) -> Sharded:
     def run(x: torch.Tensor, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         module = load_extension()
-        assert module is not None  # in_shards checked
+        assert module is not None  # native_shards checked
         return (module.linear_bf16_dot_shards if dot else module.linear_shards)(x, list(shards), variant)
     return run
 
 
-# The linear implementations whose kernel sums K shards itself (fp32 rows), bit for bit as
-# `in_shards` does with one call per shard.
-NATIVE_SHARDS: dict[Callable[..., torch.Tensor], Callable[[torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]] = {
+# The C++ linear implementations whose kernel sums K shards itself (fp32 rows).
+_CPU_SHARDS: dict[Callable[..., torch.Tensor], Sharded] = {
     linear_fixed_order: _native_shards(""), linear_fixed_order_avx2: _native_shards("avx2"),
     linear_bf16_dot: _native_shards("", dot=True), linear_bf16_dot_avx2: _native_shards("avx2", dot=True)}
 # The linear implementations whose bits do not depend on where a weight starts (the C++ kernels load
 # unaligned throughout), so their weights may be views at any offset, such as the shards above.
-ALIGNMENT_FREE = frozenset(NATIVE_SHARDS)
-
-
-# -- Triton ------------------------------------------------------------------------------------------
-
-# Tile sizes are constants per device kind, never derived from M: a row's output tile always has
-# the same shape, the same K blocks in the same order, so its bits cannot depend on the batch.
-# CPU tensors run under the interpreter, one program at a time in numpy, where every program and
-# every reduction call costs far more than the arithmetic: they get wide tiles (K in few blocks).
-# There `tl.dot` is numpy's matmul, i.e. the host BLAS, whose micro-kernels give a row different
-# bits at different positions of the tile; rows move between positions with the batch, so the
-# interpreter computes the tile product as an explicit fp32 product and sum, the same per-element
-# order for every row.
-TILES = {"cpu": (16, 128, 256), "cuda": (64, 64, 64)}  # device type -> (BLOCK_M, BLOCK_N, BLOCK_K)
-GROUP_M = 8
-NUM_WARPS, NUM_STAGES = 4, 3
-
-
-# M is not specialised (Triton would compile a separate kernel for M == 1): one binary for every batch.
-@triton.jit(do_not_specialize=["M"])
-def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
-                   stride_xm, stride_xk, stride_wn, stride_wk, stride_om,
-                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, HOST_DOT: tl.constexpr):
-    """Persistent tile loop: program p computes tiles p, p + P, p + 2P, ... (P = programs)."""
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
-    tiles_per_group = GROUP_M * num_pid_n
-    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        # GROUP_M swizzle: only the order tiles are visited in, never a tile's arithmetic.
-        first_m = (tile // tiles_per_group) * GROUP_M
-        group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % tiles_per_group) % group_rows
-        pid_n = (tile % tiles_per_group) // group_rows
-
-        rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ks = tl.arange(0, BLOCK_K)
-        row_ok = rows < M
-        col_ok = cols < N
-        x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk
-        w_ptrs = w_ptr + cols[None, :] * stride_wn + ks[:, None] * stride_wk
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = (k0 + ks) < K
-            a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if HOST_DOT:
-                acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-            else:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            x_ptrs += BLOCK_K * stride_xk
-            w_ptrs += BLOCK_K * stride_wk
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def _num_programs(device: torch.device, num_tiles: int) -> int:
-    """One program per tile under the interpreter; on CUDA at most one per SM (persistent)."""
-    if device.type != "cuda":
-        return num_tiles
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return min(num_tiles, _SM_COUNT[index])
-
-
-def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """[M, K] x [N, K] (+ [N]) -> [M, N] in x's dtype, row invariant by construction.
-
-    Every output tile is BLOCK_M x BLOCK_N with constant tile sizes, and its K loop runs the same
-    BLOCK_K steps in the same order with an fp32 accumulator (IEEE fp32 products for fp32 inputs,
-    no split-K), the bias added once after the loop. Rows beyond M are masked to zero and never
-    mix into other rows, so a row's bits depend only on that row, W and b, never on M. The
-    persistent grid and the GROUP_M swizzle change only which program computes a tile and when.
-    """
-    kernel_device_ok(x)
-    m, k = x.shape
-    n, k_w = weight.shape
-    if k != k_w:
-        raise ValueError(f"x has K={k} but weight has K={k_w}")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return out
-    device_type = launch_device_type(x)
-    block_m, block_n, block_k = TILES[device_type]
-    num_tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    _linear_kernel[(_num_programs(x.device, num_tiles),)](
-        x, weight, bias if bias is not None else weight, out, m, n, k,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
-        HOST_DOT=device_type == "cpu", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    return out
+ALIGNMENT_FREE = frozenset(_CPU_SHARDS)
 
 
 # -- declaration -------------------------------------------------------------------------------------
+
+
+# The matrices whose input features tensor parallelism splits (`models/row_parallel.py`), by the
+# names the model families give them (the shared expert's too): their products are summed in the tree.
+ROW_PARALLEL = ("o_proj", "down", "out_proj")
 
 
 def body_calls(step: Step) -> list[Call]:
@@ -325,7 +245,11 @@ def body_calls(step: Step) -> list[Call]:
     def matrix(features_in: int, features_out: int) -> Callable[[], tuple[Any, ...]]:
         return lambda: (step.tensor(step.tokens, features_in), step.tensor(features_out, features_in))
 
-    return [Call(f"{step.name}: {name}", matrix(i, o)) for name, i, o in step.matrices()]
+    def shards(name: str, features_in: int) -> int:
+        tree = name.split()[-1] in ROW_PARALLEL and features_in % REDUCTION_SHARDS == 0
+        return REDUCTION_SHARDS if tree else 1
+
+    return [Call(f"{step.name}: {name}", matrix(i, o), shards(name, i)) for name, i, o in step.matrices()]
 
 
 def _launches(step: Step) -> list[Call]:

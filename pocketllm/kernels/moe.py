@@ -41,10 +41,12 @@ import torch
 import torch.nn.functional as F
 
 from ._cases import randn
-from ._tree import tree_sum
-from ._triton import kernel_device_ok, launch_device_type, tl, triton
+from ._linear_triton import TILES, k_block
+from ._moe_triton import COMBINE_BLOCK, DOWN_WARPS, align_pairs, moe_combine_kernel, moe_down_kernel, moe_gate_up_kernel
+from ._tree import REDUCTION_SHARDS
+from ._triton import kernel_device_ok, launch_device_type, triton
 from .cpu.extension import load_extension, unavailable_reason
-from .linear import TILES, in_shards, linear_fixed_order, linear_row_invariant
+from .linear import in_shards, linear_fixed_order, linear_row_invariant
 from .moe_routing import route
 from .silu_and_mul import silu_and_mul_ref
 from .spec import Call, Cost, Layout, OpSpec, Step, size
@@ -161,125 +163,6 @@ def _one_call(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
 # -- Triton ------------------------------------------------------------------------------------------
 
 
-def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pair_ids [B * block_m], block_expert [B]): the (token, rank) pairs t * K + k sorted by expert
-    (stable: pair order within an expert), each expert's run padded to whole blocks with the
-    sentinel T * K; block b computes expert block_expert[b], -1 for the blocks past the last. B is a
-    bound known without reading the ids (no device sync): ceil(T * K / block_m) + min(E, T * K)."""
-    flat = topk_ids.reshape(-1)
-    pairs = flat.numel()
-    device = flat.device
-    max_blocks = triton.cdiv(pairs, block_m) + min(num_experts, pairs)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    blocks = (counts + block_m - 1) // block_m
-    block_end = torch.cumsum(blocks, 0)
-    count_start = torch.cumsum(counts, 0) - counts
-    sorted_experts = flat[order]
-    position = (block_end - blocks)[sorted_experts] * block_m + torch.arange(pairs, device=device) \
-        - count_start[sorted_experts]
-    pair_ids = torch.full((max_blocks * block_m,), pairs, dtype=torch.int64, device=device)
-    pair_ids[position] = order
-    block_expert = torch.searchsorted(block_end, torch.arange(max_blocks, device=device), right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
-    return pair_ids, block_expert
-
-
-@triton.jit
-def _block_tile(pair_ids_ptr, num_pairs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A program's tile: its block's padded rows, their pairs (the sentinel num_pairs past an
-    expert's last), which rows are real, its output columns and the K offsets of one step."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pair_ids_ptr + offs)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return offs, pair, pair < num_pairs, cols, tl.arange(0, BLOCK_K)
-
-
-@triton.jit
-def _tile_dot(acc, a, b, HOST_DOT: tl.constexpr):
-    """acc + a @ b in fp32: IEEE tl.dot compiled; under the interpreter an explicit product and sum,
-    the same per-element order for every row (see linear.py: numpy's matmul is the host BLAS)."""
-    if HOST_DOT:
-        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-    else:
-        return tl.dot(a, b, acc, input_precision="ieee")
-
-
-@triton.jit(do_not_specialize=["num_pairs"])
-def _moe_gate_up_kernel(x_ptr, w_ptr, h_ptr, pair_ids_ptr, block_expert_ptr, num_pairs, top_k, hidden, inter,
-                        stride_xm, stride_we, stride_wn, stride_hm,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        HOST_DOT: tl.constexpr):
-    """Program (b, j): rows of block b (one expert's pairs), columns [j * BLOCK_N, ...) of I:
-    gate and up over H in BLOCK_K steps, then silu(gate) * up, rounded as the reference rounds."""
-    expert = tl.load(block_expert_ptr + tl.program_id(0))
-    if expert >= 0:
-        offs, pair, row_ok, cols, ks = _block_tile(pair_ids_ptr, num_pairs, BLOCK_M, BLOCK_N, BLOCK_K)
-        col_ok = cols < inter
-        token = tl.where(row_ok, pair // top_k, 0)
-        x_ptrs = x_ptr + token[:, None] * stride_xm + ks[None, :]
-        g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None]
-        u_ptrs = g_ptrs + inter * stride_wn
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            k_ok = (k0 + ks) < hidden
-            a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w_mask = k_ok[:, None] & col_ok[None, :]
-            acc_g = _tile_dot(acc_g, a, tl.load(g_ptrs, mask=w_mask, other=0.0), HOST_DOT)
-            acc_u = _tile_dot(acc_u, a, tl.load(u_ptrs, mask=w_mask, other=0.0), HOST_DOT)
-            x_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
-        dtype = h_ptr.dtype.element_ty
-        gate = acc_g.to(dtype).to(tl.float32)
-        up = acc_u.to(dtype).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        tl.store(h_ptr + offs[:, None] * stride_hm + cols[None, :], (silu * up).to(dtype),
-                 mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["num_pairs"])
-def _moe_down_kernel(h_ptr, w_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, num_pairs, hidden, inter,
-                     stride_hm, stride_we, stride_wn, stride_ym,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HOST_DOT: tl.constexpr):
-    """Program (b, j): the down product of block b's rows, columns [j * BLOCK_N, ...) of H, over I
-    in BLOCK_K steps, stored in each pair's own row of y."""
-    expert = tl.load(block_expert_ptr + tl.program_id(0))
-    if expert >= 0:
-        offs, pair, row_ok, cols, ks = _block_tile(pair_ids_ptr, num_pairs, BLOCK_M, BLOCK_N, BLOCK_K)
-        col_ok = cols < hidden
-        a_ptrs = h_ptr + offs[:, None] * stride_hm + ks[None, :]
-        b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            k_ok = (k0 + ks) < inter
-            acc = _tile_dot(acc, tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0),
-                            tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0), HOST_DOT)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
-        rows = tl.where(row_ok, pair, 0)
-        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _moe_combine_kernel(y_ptr, w_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (t, j): out[t, cols] = sum over k = 0..TOP_K-1, in rank order, of y[t * K + k] * w[t, k]."""
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < hidden
-    weight = tl.load(w_ptr + token * TOP_K)
-    acc = tl.load(y_ptr + token * TOP_K * hidden + cols, mask=ok, other=0.0).to(tl.float32) * weight
-    for k in tl.static_range(1, TOP_K):
-        weight = tl.load(w_ptr + token * TOP_K + k)
-        acc += tl.load(y_ptr + (token * TOP_K + k) * hidden + cols, mask=ok, other=0.0).to(tl.float32) * weight
-    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-COMBINE_BLOCK = 1024
-
-
 def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
                w_down: torch.Tensor) -> torch.Tensor:
     """[T, H] in x's dtype: the grouped GEMM (see the module docstring), tile sizes constants per
@@ -301,25 +184,25 @@ def moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     pair_ids, block_expert = align_pairs(topk_ids.to(torch.int64), experts, block_m)
     num_blocks, pairs = block_expert.numel(), tokens * top_k
     h = torch.empty((num_blocks * block_m, inter), dtype=x.dtype, device=x.device)
-    _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+    moe_gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
         x, w_gate_up, h, pair_ids, block_expert, pairs, top_k, hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HOST_DOT=host_dot)
-    shards = w_down.unbind(1) if w_down.dim() == 4 else (w_down,)
-    width = inter // len(shards)
-    parts = []
-    for s, shard in enumerate(shards):  # a sharded down matrix: one launch per shard, summed in the tree
-        y = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
-        _moe_down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
-            h[:, s * width:(s + 1) * width], shard, y, pair_ids, block_expert, pairs, hidden, width,
-            h.stride(0), shard.stride(0), shard.stride(1), y.stride(0),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HOST_DOT=host_dot)
-        parts.append(y)
-    y = tree_sum(parts)
+    # A sharded down matrix [E, S, H, I/S]: its shards in one launch, summed in the tree (8 warps: the
+    # tree's three levels fit the registers), a whole one as one shard.
+    shards, stride_ws = (w_down.shape[1], w_down.stride(1)) if w_down.dim() == 4 else (1, 0)
+    down = w_down.select(1, 0) if w_down.dim() == 4 else w_down
+    width = inter // shards
+    y = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
+    moe_down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+        h, down, y, pair_ids, block_expert, pairs, hidden, width,
+        h.stride(0), down.stride(0), stride_ws, down.stride(1), y.stride(0), SHARDS=shards,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=k_block(device_type, width), HOST_DOT=host_dot,
+        num_warps=DOWN_WARPS)
     weights = topk_weights.float().contiguous()
     # No fused multiply-add: each product rounded before it is added, as `combine` (and so the ranks
     # of a tensor-parallel engine, models/experts.py) computes it.
-    _moe_combine_kernel[(tokens, triton.cdiv(hidden, COMBINE_BLOCK))](y, weights, out, hidden, TOP_K=top_k,
+    moe_combine_kernel[(tokens, triton.cdiv(hidden, COMBINE_BLOCK))](y, weights, out, hidden, TOP_K=top_k,
                                                                       BLOCK=COMBINE_BLOCK, enable_fp_fusion=False)
     return out
 
@@ -341,7 +224,11 @@ def _launches(step: Step) -> list[Call]:
         return (step.tensor(tokens, hidden), ids, weights, step.tensor(LAUNCH_EXPERTS, 2 * LAUNCH_INTER, hidden),
                 step.tensor(LAUNCH_EXPERTS, hidden, LAUNCH_INTER))
 
-    return [Call(f"{step.name}: experts", args)]
+    def sharded() -> tuple[Any, ...]:  # the down matrices as the model keeps them under the tree
+        *rest, down = args()
+        return (*rest, down.view(LAUNCH_EXPERTS, hidden, REDUCTION_SHARDS, -1).transpose(1, 2))
+
+    return [Call(f"{step.name}: experts", args), Call(f"{step.name}: experts, the tree's shards", sharded)]
 
 
 def _cost(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,

@@ -37,6 +37,7 @@ class Call:
 
     label: str  # the step, and which of the op's calls in it
     args: Callable[[], tuple[Any, ...]]
+    shards: int = 1  # a row-parallel matrix's call: its K in the fixed tree's shards (`linear.in_shards`)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from unittest import mock
 
 from ..kernels import get_ops
 from ..kernels._triton import HAS_TRITON, INTERPRETED, recording_launches
-from .launches import ATTENTION_OPS, OPS, model_steps, op_calls, sweep_steps
+from .launches import ATTENTION_OPS, OPS, invoke, model_steps, op_calls, sweep_steps
 from .table import markdown_table
 
 # -- targets and their limits ----------------------------------------------------------------
@@ -177,7 +177,7 @@ def capture_launches(ops: Sequence[str]) -> list[Launch]:
                 args = call.args()
                 for launcher in launchers:
                     with capture() as recorded:
-                        launcher(*args)
+                        invoke(launcher, call, args)
                     launches += [Launch(op, call.label, kernel, args, kwargs) for kernel, args, kwargs in recorded]
     return launches
 

@@ -17,7 +17,7 @@ one they hold values a call can run on (decays below one, probabilities in (0, 1
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ import torch
 from ..cache import RecurrentCacheSpec
 from ..config import ModelConfig
 from ..kernels._gated_delta import CHUNK_SIZE
+from ..kernels.linear import in_shards
 from ..kernels.registry import SPECS
 from ..kernels.spec import Call, Cost
 from ..models.batch import ForwardBatch
@@ -201,6 +202,13 @@ def op_calls(op: str, step: Step) -> list[Call]:
     """The calls `step` makes of `op` (none where the step does not run it)."""
     launches = SPECS[op].launches
     return launches(step) if launches else []
+
+
+def invoke(launcher: Callable[..., Any], call: Call, args: Sequence[Any]) -> Any:
+    """`launcher` on a call's arguments as the model calls it: a row-parallel matrix in its shards."""
+    if call.shards == 1:
+        return launcher(*args)
+    return in_shards(launcher, args[0], list(args[1].chunk(call.shards, dim=1)))
 
 
 def call_cost(op: str, args: Sequence[Any]) -> Cost:

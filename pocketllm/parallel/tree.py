@@ -13,11 +13,10 @@ kernels" idea; written from the algorithm.)
 
 from __future__ import annotations
 
-from ..kernels._tree import tree_sum
+from ..kernels._tree import REDUCTION_SHARDS, tree_sum
 
 __all__ = ["REDUCTION_SHARDS", "SIZES", "tree_enabled", "tree_sum"]
 
-REDUCTION_SHARDS = 8  # so tensor-parallel sizes 1, 2, 4 and 8 agree bit for bit
 SIZES = tuple(n for n in range(1, REDUCTION_SHARDS + 1) if REDUCTION_SHARDS % n == 0 and n & (n - 1) == 0)
 
 

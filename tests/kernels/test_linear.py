@@ -30,13 +30,16 @@ from kernel_cases import threads as threads  # the fixture
 from kernel_impls import DEVICE, implementation
 from kernel_tolerances import assert_close
 
+from pocketllm.kernels._linear_triton import TILES, linear_triton, linear_triton_shards
+from pocketllm.kernels._tree import tree_sum
 from pocketllm.kernels.linear import (
     DECODE_ROW_TILE,
     PREFILL_ROW_TILE,
-    TILES,
+    in_shards,
     linear_per_row,
     linear_ref,
     linear_row_invariant,
+    native_shards,
 )
 from pocketllm.kernels.prefill_linear import prefill_linear_row_invariant
 from pocketllm.testing.planted import linear_row_count_dependent
@@ -241,6 +244,58 @@ def test_per_row_empty_batch():
     """Zero rows in, zero rows out."""
     out = linear_per_row(torch.empty(0, 32), _randn(16, 32, seed=13, dtype=torch.float32))
     assert out.shape == (0, 16)
+
+
+# -- the Triton kernel over a row-parallel matrix's shards ---------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("shards", [2, 4, 8])
+def test_triton_shards_are_each_shard_product_summed_in_the_tree(dtype, shards):
+    """`linear_triton_shards` (one launch): bitwise each K slice's `linear_triton` product, rounded
+    to the dtype, summed in the fixed tree (`tree_sum`), for slices of one matrix read in place and
+    for separate shards; widths below, at and past a K block, rows across two row tiles; a row's bits
+    are the row's alone."""
+    block_m, _, block_k = TILES[DEVICE]
+    for width in (5, block_k, block_k + 3):
+        m = block_m + 3
+        x = randn_on(m, shards * width, seed=width + shards, dtype=dtype)
+        w = randn_on(19, shards * width, seed=width * shards, dtype=dtype) * width ** -0.5
+        views = list(w.split(width, dim=1))
+        one_call_each = tree_sum([linear_triton(x[:, i * width:(i + 1) * width].contiguous(), part)
+                                  for i, part in enumerate(views)])
+        native = linear_triton_shards(x, views)
+        assert torch.equal(native, one_call_each), width
+        assert torch.equal(linear_triton_shards(x, [v.contiguous() for v in views]), native), width
+        assert torch.equal(linear_triton_shards(x[m - 2:], views), native[m - 2:]), width
+        assert torch.equal(in_shards(linear_triton, x, views), native), width
+
+
+def test_triton_shards_negative_control_a_sequential_sum_is_told_apart():
+    """The comparison above can fail: the same shard products added left to right, rather than in the
+    tree, differ from the kernel at 8 shards (values picked so that the two orders round apart)."""
+    x = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]], device=DEVICE)
+    w = torch.tensor([[1.0, 0.0, 2.0 ** -24, 2.0 ** -24, 0.0, 0.0, 0.0, 0.0]], device=DEVICE)
+    views = list(w.split(1, dim=1))
+    parts = [linear_triton(x[:, i:i + 1].contiguous(), v) for i, v in enumerate(views)]
+    sequential = parts[0]
+    for part in parts[1:]:
+        sequential = sequential + part
+    assert torch.equal(linear_triton_shards(x, views), tree_sum(parts))
+    assert not torch.equal(linear_triton_shards(x, views), sequential)
+
+
+def test_triton_shards_are_native_for_every_dtype_and_refuse_what_they_cannot_sum():
+    assert native_shards(linear_triton, torch.float16) is linear_triton_shards
+    assert native_shards(linear_ref, torch.float32) is None
+    w = randn_on(7, 24, seed=1, dtype=torch.float32)
+    x = randn_on(3, 24, seed=2, dtype=torch.float32)
+    with pytest.raises(ValueError, match="2, 4 or 8 shards"):
+        linear_triton_shards(x, list(w.split(8, dim=1)))
+    with pytest.raises(ValueError, match="differ in shape"):
+        linear_triton_shards(x, [w[:, :12], w[:, 12:20]])
+    with pytest.raises(ValueError, match=r"x must be \[M, 24\]"):
+        linear_triton_shards(x[:, :20], list(w.split(12, dim=1)))
 
 
 # -- CUDA, bf16, model sizes -------------------------------------------------------------------

@@ -28,7 +28,7 @@ from kernel_impls import DEVICE, implementation
 from kernel_tolerances import assert_close
 
 from pocketllm.kernels.cpu.extension import load_extension
-from pocketllm.kernels.linear import linear_bf16_dot, linear_fixed_order, linear_row_invariant
+from pocketllm.kernels.linear import linear_bf16_dot, linear_fixed_order, linear_row_invariant, linear_triton
 from pocketllm.kernels.moe import (
     combine,
     experts_by_group,
@@ -36,6 +36,7 @@ from pocketllm.kernels.moe import (
     moe_fixed_order,
     moe_ref,
     moe_row_invariant,
+    moe_triton,
 )
 from pocketllm.kernels.moe_routing import route
 from pocketllm.kernels.silu_and_mul import silu_and_mul_ref
@@ -224,6 +225,22 @@ def test_a_sharded_down_matrix_is_its_shards_summed_in_the_tree(shards):
     assert torch.equal(moe_row_invariant(x, ids, w, w_gate_up, sharded), by_hand)
     torch.testing.assert_close(moe_ref(x, ids, w, w_gate_up, sharded).double(), oracle(x, ids, w, w_gate_up, w_down),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("shards", [2, 8])
+def test_the_triton_kernel_sums_a_sharded_down_matrix_as_the_tree_by_hand(dtype, shards):
+    """The Triton kernel's shards in one launch (the tree in registers): bitwise the tree built by
+    hand over the Triton linear kernel, each shard's product rounded to the dtype; the shards copied
+    or read in place as column slices. Positive rows and gate weights put every gate above 20, where
+    the kernel's SiLU (g / (1 + e^-g)) and torch's (g * sigmoid(g)) are both g exactly, so the by-hand
+    SwiGLU cannot differ from the kernel's in how it rounds."""
+    x, ids, w, w_gate_up, w_down = _case(9, 6, 3, 40, 24, dtype, seed=5)
+    x = x.abs() + 1
+    w_gate_up[:, :24] = w_gate_up[:, :24].abs() + 1
+    by_hand = _tree_by_hand(x, ids, w, w_gate_up, w_down, shards, linear_triton)
+    assert torch.equal(moe_triton(x, ids, w, w_gate_up, _in_shards(w_down, shards)), by_hand)
+    assert torch.equal(moe_triton(x, ids, w, w_gate_up, _in_shards(w_down, shards, view=True)), by_hand)
 
 
 @pytest.mark.parametrize("impl", [moe_impl] + TORCH_IMPLS, ids=lambda f: getattr(f, "__name__", "under_test"))

@@ -157,13 +157,16 @@ def test_with_default_options_tp1_and_tp2_give_the_same_bits(checkpoint_dir, var
 
 def test_the_tree_is_on_by_default_where_the_kernel_sums_shards_itself(checkpoint_dir):
     """tree_reduction=None: on whenever sharded, and in one process where it costs one call per
-    matrix (the C++ fixed-order kernel, fp32 rows); an explicit value wins."""
+    matrix (the C++ fixed-order kernel, fp32 rows; the Triton kernel, any dtype); an explicit value
+    wins."""
     assert [tree_enabled(None, 1, native) for native in (True, False)] == [True, False]
     assert tree_enabled(None, 2) and not tree_enabled(False, 1, True) and tree_enabled(True, 1)
     path = checkpoint_dir("tiny")
     off = LLM(EngineArgs(model=path, max_seq_len=64, backend_options={"tree_reduction": False}))
     mkl = LLM(EngineArgs(model=path, max_seq_len=64, backend_options={"exact_positions": False}))
     assert not off.capabilities.tree_reduction and not mkl.capabilities.tree_reduction
+    for dtype in ("float32", "float16"):
+        assert LLM(EngineArgs(model=path, max_seq_len=64, backend="triton", dtype=dtype)).capabilities.tree_reduction
 
 
 def test_sizes_that_do_not_fit_are_refused_before_any_worker_starts(checkpoint_dir):
@@ -489,10 +492,12 @@ def test_the_probe_checks_that_a_ranks_block_of_columns_keeps_its_bits():
 @pytest.mark.slow  # the Triton interpreter in two processes
 @pytest.mark.parametrize("variant", ["tiny", "qwen3.5"])
 def test_triton_tp2_batched_equals_triton_tp1_serial(checkpoint_dir, variant):
-    """The triton backend's kernels at TP=2 (each rank interpreting its own): TP=1 serial bits."""
+    """The triton backend's kernels at TP=2 (each rank interpreting its own): TP=1 serial bits, with
+    default options (the Triton kernel sums a matrix's shards itself, so the tree is on at TP=1)."""
     engines = Engines(checkpoint_dir(variant), max_seq_len=MAX_SEQ_LEN, engine_args={"backend": "triton"},
-                      batched_args=TP2, tree_reduction=True)
+                      batched_args=TP2)
     try:
+        assert engines.serial.capabilities.tree_reduction
         schedule = Schedule(chunk_size=64, snapshot_interval=64, budget_slack=0, prefix_reuse=True)
         assert_batch_invariant(engines, Workload(tuple(_fixed_jobs(2, longest=70, new_tokens=4)), 2, schedule))  # short
     finally:
