@@ -18,6 +18,7 @@ from ._triton import kernel_device_ok, launch_device_type, tl, triton
 # order for every row.
 TILES = {"cpu": (16, 128, 256), "cuda": (64, 64, 64)}  # device type -> (BLOCK_M, BLOCK_N, BLOCK_K)
 GROUP_M = 8
+TRITON_MAX_SHARDS = 8  # tree_push's three levels: the fixed tree's 8 shards
 NUM_WARPS, NUM_STAGES = 8, 3  # 8 warps: the 8-shard tree's three levels fit the registers
 
 
@@ -148,7 +149,7 @@ def linear_triton_shards(x: torch.Tensor, shards: Sequence[torch.Tensor]) -> tor
     matrix (a row-parallel matrix kept in place) are read where they lie; other shards are stacked."""
     kernel_device_ok(x)
     first = shards[0]
-    if len(shards) not in (2, 4, 8):
+    if len(shards) not in (2, 4, TRITON_MAX_SHARDS):
         raise ValueError(f"linear_triton_shards takes 2, 4 or 8 shards, got {len(shards)}")
     if any(s.shape != first.shape or s.dtype != first.dtype or s.device != first.device or s.stride() != first.stride()
            for s in shards) or first.dim() != 2:

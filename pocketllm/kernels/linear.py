@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ._cases import ROWS, randn, rows
-from ._linear_triton import linear_triton, linear_triton_shards
+from ._linear_triton import TRITON_MAX_SHARDS, linear_triton, linear_triton_shards
 from ._tree import REDUCTION_SHARDS, tree_sum
 from .cpu.extension import load_extension, unavailable_reason
 from .spec import Call, Cost, Layout, OpSpec, Step, size
@@ -194,23 +194,23 @@ def in_shards(linear: Callable[..., torch.Tensor], x: torch.Tensor, shards: Sequ
     (`native_shards`); any other implementation runs one call per shard."""
     if len(shards) == 1:
         return linear(x, shards[0])
-    native = native_shards(linear, x.dtype)
-    if native is not None and len(shards) <= MAX_NATIVE_SHARDS:
+    native = native_shards(linear, x.dtype, len(shards))
+    if native is not None:
         return native(x, shards)
     width = shards[0].shape[1]
     return tree_sum([linear(x[:, i * width:(i + 1) * width].contiguous(), shard) for i, shard in enumerate(shards)])
 
 
 Sharded = Callable[[torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
-MAX_NATIVE_SHARDS = 8  # the most shards the kernels sum in one call (the fixed tree has 8)
 
 
-def native_shards(linear: Callable[..., torch.Tensor], dtype: torch.dtype) -> Sharded | None:
-    """The one-call form of `linear` over a matrix's K shards for rows of `dtype` (bit for bit what
-    `in_shards` gives with one call per shard), or None where there is none: the C++ kernels take
-    fp32 rows (where they build here), the Triton kernel any dtype."""
+def native_shards(linear: Callable[..., torch.Tensor], dtype: torch.dtype,
+                  count: int = REDUCTION_SHARDS) -> Sharded | None:
+    """The one-call form of `linear` over `count` K shards of a matrix for rows of `dtype` (bit for
+    bit what `in_shards` gives with one call per shard), or None where there is none: the C++ kernels
+    take fp32 rows (where they build here), the Triton kernel any dtype and up to 8 shards."""
     if linear is linear_triton:
-        return linear_triton_shards
+        return linear_triton_shards if count <= TRITON_MAX_SHARDS else None
     native = _CPU_SHARDS.get(linear)
     return native if native is not None and dtype == torch.float32 and load_extension() is not None else None
 

@@ -288,6 +288,12 @@ def test_triton_shards_negative_control_a_sequential_sum_is_told_apart():
 def test_triton_shards_are_native_for_every_dtype_and_refuse_what_they_cannot_sum():
     assert native_shards(linear_triton, torch.float16) is linear_triton_shards
     assert native_shards(linear_ref, torch.float32) is None
+    # More shards than the kernel's tree holds: one launch per shard, the same tree.
+    assert native_shards(linear_triton, torch.float32, 16) is None
+    x16, w16 = randn_on(2, 64, seed=3, dtype=torch.float32), randn_on(5, 64, seed=4, dtype=torch.float32)
+    parts = list(w16.split(4, dim=1))
+    each = [linear_triton(x16[:, i * 4:(i + 1) * 4].contiguous(), p) for i, p in enumerate(parts)]
+    assert torch.equal(in_shards(linear_triton, x16, parts), tree_sum(each))
     w = randn_on(7, 24, seed=1, dtype=torch.float32)
     x = randn_on(3, 24, seed=2, dtype=torch.float32)
     with pytest.raises(ValueError, match="2, 4 or 8 shards"):
