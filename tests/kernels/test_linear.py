@@ -338,3 +338,22 @@ def test_gpu_linear_fp32_is_not_tf32():
     x, weight, bias = _linear_inputs(64, 4096, 256, torch.float32, device="cuda")
     exact = linear_ref(x.double(), weight.double(), bias.double())
     torch.testing.assert_close(linear_impl(x, weight, bias).double(), exact, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
+@pytest.mark.parametrize("m", (1, 8, 256))
+def test_gpu_triton_shards_are_one_launch_per_shard_in_the_tree(m: int, dtype: torch.dtype):
+    """Compiled (tensor cores for bf16, the IEEE fp32 dot for fp32), at Qwen3-0.6B's o_proj (2048 ->
+    1024) and down_proj (3072 -> 1024) widths: the one launch over 8 shards gives the bits of one
+    launch per shard summed by tree_sum, and of 2 launches of 4 shards (TP=2's ranks) summed."""
+    for k in (2048, 3072):
+        x, weight, _ = _linear_inputs(m, k, 1024, dtype, device="cuda")
+        views = list(weight.split(k // 8, dim=1))
+        width = k // 8
+        each = [linear_triton(x[:, i * width:(i + 1) * width].contiguous(), v) for i, v in enumerate(views)]
+        native = linear_triton_shards(x, views)
+        assert torch.equal(native, tree_sum(each)), k
+        halves = [linear_triton_shards(x[:, h * k // 2:(h + 1) * k // 2].contiguous(), views[4 * h:4 * h + 4])
+                  for h in range(2)]
+        assert torch.equal(native, tree_sum(halves)), k
