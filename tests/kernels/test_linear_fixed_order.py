@@ -113,8 +113,11 @@ def test_a_row_is_the_same_in_any_row_count_and_position(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("m, n, k", [(15, 50, 83), (16, 50, 83), (63, 97, 17), (64, 149, 600), (65, 7, 1029),
                                      (127, 49, 5), (129, 100, 512), (200, 53, 33), (512, 20, 100),
-                                     (17, 35, 2071), (33, 40, 4100)])
+                                     (17, 35, 2071), (33, 40, 4100), (16, 64, 64), (20, 1024, 64)])
 def test_many_rows_are_each_row_alone_and_the_documented_order(variant, m, n, k, threads, lane_pairing):
+    """N = 64 and 1024 (Qwen3-0.6B's hidden size: blocks of 96 columns, the last one 64 wide) end on a
+    block narrower than its tiles by a whole 16 columns and more: what the kernel writes past a block's
+    own columns lands in the next row's."""
     x, w, b = _data(m, n, k, seed=m + k, bias=m % 2 == 1)
     got = EXT.linear(x, w, b, variant)  # at `threads` threads, the rows alone at 1
     torch.set_num_threads(1)

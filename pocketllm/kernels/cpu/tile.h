@@ -449,7 +449,9 @@ static void panel_columns(const float* xp, int64_t xstride, int64_t M, int64_t K
       // subtree's sum will be kept in, one past those of the left halves it is added to.
       const int64_t level = __builtin_ctzll(~uint64_t(shard));
       float* sum = tree + level * outputs;
-      for (int64_t n = 0; n < padded; n += 16)
+      // The block's own columns only (a tile's columns past them are W's zero padding): every tail
+      // below keeps 1 to 16 lanes (a count under 1 is no mask on AVX-512: 1u << n wraps).
+      for (int64_t n = 0; n < width; n += 16)
         for (int r = 0; r < rows; ++r) {
           const int64_t c = n % PANEL_TILE / 16, lanes = n / PANEL_TILE * PANEL_TILE * PANEL_ROWS * 16;
           const float* lane0 = acc + lanes + (r * PANEL_C + c) * 16;
