@@ -79,10 +79,10 @@ class BackendOptions:
                                                 "are the tensor-parallel ranks' sums, so tensor_parallel_size 1, 2, 4 "
                                                 "and 8 give the same bits; False: one product per rank and a plain "
                                                 "all-reduce; None: on when tensor_parallel_size > 1, and at 1 where "
-                                                "the linear kernel sums its shards itself (the torch backend's C++ "
-                                                "fixed-order kernel with fp32 rows; the triton backend's kernel in "
-                                                "any dtype), in one call; elsewhere at 1 it costs one product per "
-                                                "shard: set True to compare with sharded runs")
+                                                "the linear kernel sums its shards itself, in one call (the torch "
+                                                "backend's C++ kernels, the triton backend's kernel); elsewhere at "
+                                                "1 it costs one product per shard: set True to compare with sharded "
+                                                "runs")
     exact_positions: bool | None = _option(None, "a position's logits are bitwise the same decoded, prefilled in a "
                                                  "piece of any length, or scored (prompt_logprobs); None: the "
                                                  "backend's default (triton: on; torch: on where its C++ kernels "

@@ -208,25 +208,35 @@ def native_shards(linear: Callable[..., torch.Tensor], dtype: torch.dtype,
                   count: int = REDUCTION_SHARDS) -> Sharded | None:
     """The one-call form of `linear` over `count` K shards of a matrix for rows of `dtype` (bit for
     bit what `in_shards` gives with one call per shard), or None where there is none: the C++ kernels
-    take fp32 rows (where they build here), the Triton kernel any dtype and up to 8 shards."""
+    (where they build here) take the rows they take one matrix with (the fixed-order kernel fp32, fp16
+    and bf16, the bf16 dot products fp32), the Triton kernel any dtype and up to 8 shards."""
     if linear is linear_triton:
         return linear_triton_shards if count <= TRITON_MAX_SHARDS else None
     native = _CPU_SHARDS.get(linear)
-    return native if native is not None and dtype == torch.float32 and load_extension() is not None else None
+    return native[0] if native is not None and dtype in native[1] and load_extension() is not None else None
 
 
 def _native_shards(variant: str, dot: bool = False) -> Sharded:
     def run(x: torch.Tensor, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         module = load_extension()
         assert module is not None  # native_shards checked
-        return (module.linear_bf16_dot_shards if dot else module.linear_shards)(x, list(shards), variant)
+        if dot:
+            return module.linear_bf16_dot_shards(x, list(shards), variant)
+        if x.dtype == torch.float32:
+            return module.linear_shards(x, list(shards), variant)
+        # Rows of fp16 or bf16: widened as `_fixed_order` widens them, and each shard's product and each
+        # level's sum rounded to their dtype in the kernel, as one call per shard and `tree_sum` round them.
+        wide = [shard if shard.dtype == torch.bfloat16 else shard.float() for shard in shards]
+        return module.linear_shards(x.float(), wide, variant, str(x.dtype).removeprefix("torch.")).to(x.dtype)
     return run
 
 
-# The C++ linear implementations whose kernel sums K shards itself (fp32 rows).
-_CPU_SHARDS: dict[Callable[..., torch.Tensor], Sharded] = {
-    linear_fixed_order: _native_shards(""), linear_fixed_order_avx2: _native_shards("avx2"),
-    linear_bf16_dot: _native_shards("", dot=True), linear_bf16_dot_avx2: _native_shards("avx2", dot=True)}
+# The C++ linear implementations whose kernel sums K shards itself, and the dtypes of rows it takes.
+_CPU_SHARDS: dict[Callable[..., torch.Tensor], tuple[Sharded, tuple[torch.dtype, ...]]] = {
+    linear_fixed_order: (_native_shards(""), FIXED_ORDER_DTYPES),
+    linear_fixed_order_avx2: (_native_shards("avx2"), FIXED_ORDER_DTYPES),
+    linear_bf16_dot: (_native_shards("", dot=True), (torch.float32,)),
+    linear_bf16_dot_avx2: (_native_shards("avx2", dot=True), (torch.float32,))}
 # The linear implementations whose bits do not depend on where a weight starts (the C++ kernels load
 # unaligned throughout), so their weights may be views at any offset, such as the shards above.
 ALIGNMENT_FREE = frozenset(_CPU_SHARDS)

@@ -16,7 +16,9 @@
   for any row count (direct and packed tiles), K with and without a tail, both variants; the avx2
   implementation registered beside the default gives the default's bits;
 - a row-parallel matrix in K shards (`linear_shards`, `in_shards`): bitwise each shard's product
-  summed in the fixed tree, for 2, 4 and 8 shards, both variants, fp32 and bf16 weights;
+  summed in the fixed tree, for 2, 4 and 8 shards, both variants, fp32 and bf16 weights; under bf16
+  and fp16 rows, in one call, bitwise one call per shard (each rounded) summed by `tree_sum` in that
+  dtype, where fp32 sums rounded once are told apart;
 - a negative control: the same bitwise check tells a K-split reduction from the kernel's;
 - without a compiler (or with a broken one) the loader warns once, naming why, and returns None,
   and the op raises instead of falling back.
@@ -38,7 +40,7 @@ from kernel_cases import threads as threads
 
 from pocketllm.kernels._tree import tree_sum
 from pocketllm.kernels.cpu.extension import load_extension
-from pocketllm.kernels.linear import in_shards, linear_fixed_order, linear_fixed_order_avx2
+from pocketllm.kernels.linear import in_shards, linear_fixed_order, linear_fixed_order_avx2, native_shards
 from pocketllm.kernels.registry import IMPLEMENTATIONS
 
 EXT = load_extension()
@@ -301,3 +303,37 @@ def test_in_shards_runs_the_kernel_natively_and_any_other_linear_one_call_per_sh
             EXT.linear_shards(x, parts[:3] + [last])
     with pytest.raises(ValueError, match="x must be"):
         EXT.linear_shards(x[:, :40], parts)
+
+
+@pytest.mark.parametrize("linear", [linear_fixed_order, linear_fixed_order_avx2], ids=["default", "avx2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shards", [2, 8])
+def test_narrow_rows_sum_their_shards_in_one_call_as_one_call_per_shard_does(linear, dtype, shards, threads,
+                                                                             lane_pairing):
+    """Rows in bf16 or fp16 (an engine in that dtype): `in_shards` runs the kernel's one call, whose tree
+    rounds each shard's product and each level's sum to the rows' dtype, and gives bitwise what one call
+    per shard (rounded once each) summed by `tree_sum` in that dtype gives: direct and packed tiles,
+    slices with a tail, the shards as column slices of one matrix, a row alone. The same sums kept in
+    fp32 and rounded once at the end (no rounding per shard and level) are told apart."""
+    assert native_shards(linear, dtype, shards) is not None
+    told_apart = 0
+    for width in (17, 40, 2071):
+        for m in (1, 5, 16, 20, 33):
+            x, w, _ = _data(m, 37, shards * width, seed=m * width + shards, bias=False)
+            x, w = x.to(dtype), w.to(dtype)
+            parts = [w[:, i * width:(i + 1) * width].contiguous() for i in range(shards)]
+            one_call_each = tree_sum([linear(x[:, i * width:(i + 1) * width].contiguous(), part)
+                                      for i, part in enumerate(parts)])
+            native = in_shards(linear, x, parts)
+            assert native.dtype == dtype and torch.equal(native, one_call_each), (width, m)
+            assert torch.equal(in_shards(linear, x, list(w.split(width, dim=1))), native), (width, m)
+            assert torch.equal(in_shards(linear, x[m - 1:], parts), native[m - 1:]), (width, m)
+            wide = [part if dtype == torch.bfloat16 else part.float() for part in parts]
+            told_apart += not torch.equal(EXT.linear_shards(x.float(), wide).to(dtype), one_call_each)
+    assert told_apart >= 10  # of 15: a tree in fp32 is another order
+
+
+def test_the_shard_tree_names_the_dtypes_it_rounds_to():
+    x, w, _ = _data(2, 8, 32, bias=False)
+    with pytest.raises(ValueError, match="round must be '', 'bfloat16' or 'float16', got 'half'"):
+        EXT.linear_shards(x, list(w.split(16, dim=1)), "", "half")

@@ -131,12 +131,14 @@ def test_tp2_greedy_equals_transformers(checkpoint_dir, variant):
         llm.close()
 
 
-@pytest.mark.parametrize("variant,args", [("tiny", {}), ("qwen3.5", {}), ("tiny", {"weight_dtype": "bfloat16"})],
-                         ids=["tiny", "qwen3.5", "tiny-bf16-dot"])
+@pytest.mark.parametrize("variant,args", [("tiny", {}), ("qwen3.5", {}), ("tiny", {"weight_dtype": "bfloat16"}),
+                                          ("tiny", {"dtype": "bfloat16"})],
+                         ids=["tiny", "qwen3.5", "tiny-bf16-dot", "tiny-bf16-rows"])
 def test_with_default_options_tp1_and_tp2_give_the_same_bits(checkpoint_dir, variant, args):
     """No option set: one process sums its row-parallel products in the fixed tree (the C++ kernel
     sums the shards itself), so TP=1 serial and TP=2 batched give the same tokens and logprobs; bf16
-    weights too, on bf16 dot products (their kernel sums its shards itself as well)."""
+    weights too, on bf16 dot products (their kernel sums its shards itself as well), and rows in bf16
+    (the kernel's tree rounds each shard and level to bf16, as the ranks' products and sums are)."""
     path = checkpoint_dir(variant)
     one = LLM(EngineArgs(model=path, max_seq_len=MAX_SEQ_LEN, **args))
     two = LLM(EngineArgs(model=path, max_seq_len=MAX_SEQ_LEN, tensor_parallel_size=2,
@@ -157,8 +159,8 @@ def test_with_default_options_tp1_and_tp2_give_the_same_bits(checkpoint_dir, var
 
 def test_the_tree_is_on_by_default_where_the_kernel_sums_shards_itself(checkpoint_dir):
     """tree_reduction=None: on whenever sharded, and in one process where it costs one call per
-    matrix (the C++ fixed-order kernel, fp32 rows; the Triton kernel, any dtype); an explicit value
-    wins."""
+    matrix (the C++ fixed-order kernel, rows of any dtype it takes; the Triton kernel, any dtype); an
+    explicit value wins."""
     assert [tree_enabled(None, 1, native) for native in (True, False)] == [True, False]
     assert tree_enabled(None, 2) and not tree_enabled(False, 1, True) and tree_enabled(True, 1)
     path = checkpoint_dir("tiny")
@@ -167,6 +169,8 @@ def test_the_tree_is_on_by_default_where_the_kernel_sums_shards_itself(checkpoin
     assert not off.capabilities.tree_reduction and not mkl.capabilities.tree_reduction
     for dtype in ("float32", "float16"):
         assert LLM(EngineArgs(model=path, max_seq_len=64, backend="triton", dtype=dtype)).capabilities.tree_reduction
+    for dtype in ("bfloat16", "float16"):
+        assert LLM(EngineArgs(model=path, max_seq_len=64, dtype=dtype)).capabilities.tree_reduction
 
 
 def test_sizes_that_do_not_fit_are_refused_before_any_worker_starts(checkpoint_dir):

@@ -7,6 +7,8 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 // Whether the packed tiles (tile.h) take two lanes at once where they may (`paired`): a choice of speed
 // only, since both forms give every output the same FMA sequence and lane tree. Off on CPUs whose 256-bit
@@ -30,6 +32,17 @@ inline bool pairs_lanes() {
 struct BF16 {
   uint16_t bits;
 };
+
+// What a shard tree's sums are rounded to (linear.cpp's `linear_shards` under bf16 or fp16 rows): each
+// shard's product and each level's sum to the nearest even of the rows' dtype, as torch rounds a product
+// of those rows and every add of two such tensors (an fp32 add, then the rounding), so one call gives the
+// bits of one call per shard summed by `tree_sum`; none: fp32 throughout.
+enum class Round : int { none, bf16, fp16 };
+static inline float rounded(float v, Round to) {
+  if (to == Round::bf16) return float(c10::BFloat16(v));
+  if (to == Round::fp16) return float(c10::Half(v));
+  return v;
+}
 
 // The first n (< 16) elements of p, then zeros: a tail step's bf16s, read without touching memory past p + n.
 static inline void copy_tail(const BF16* p, int n, BF16* buffer) {

@@ -69,9 +69,9 @@ struct Kernels {
   void (*columns)(const float*, int64_t, int64_t, const WT*, int64_t, int64_t, const float*, float*, int64_t,
                   int64_t, int64_t);
   void (*panel_columns)(const float*, int64_t, int64_t, int64_t, const WT* const*, int64_t, int64_t, const float*,
-                        float*, int64_t, int64_t, int64_t, float*, float*, float*, bool);
+                        float*, int64_t, int64_t, int64_t, float*, float*, float*, bool, Round);
   void (*shard_columns)(const float*, int64_t, int64_t, const WT* const*, int64_t, int64_t, int64_t, float*, int64_t,
-                        int64_t, int64_t, float*);
+                        int64_t, int64_t, float*, Round);
 };
 struct Variant {
   Kernels<float> fp32;
@@ -173,11 +173,11 @@ static int64_t panel_block_columns(int64_t K) {
 // s K on (rows ldx apart), W_s = ws[s] an [N, K] of elements WT with rows ldw apart (the shards of a
 // row-parallel matrix are its column slices: one matrix streamed as a whole). S = 1 is one product into
 // y [M, N]. S > 1 (`linear_shards`, no bias): y is their shard tree, summed as each block of columns
-// ends (shard_columns, panel_columns). Threads take blocks of columns: who computes an output, and
-// when, never how.
+// ends (shard_columns, panel_columns), each shard's product and each level's sum rounded `to` a narrower
+// dtype where asked. Threads take blocks of columns: who computes an output, and when, never how.
 template <typename WT>
 static void run(const Variant& variant, const float* xp, int64_t ldx, int64_t M, int64_t K, const WT* const* ws,
-                int64_t ldw, int64_t S, int64_t N, const float* bp, float* yp) {
+                int64_t ldw, int64_t S, int64_t N, const float* bp, float* yp, Round to = Round::none) {
   const Kernels<WT>& v = variant.of<WT>();
   const int64_t threads = at::get_num_threads();
   if (M < PANEL_MIN_ROWS) {
@@ -189,7 +189,7 @@ static void run(const Variant& variant, const float* xp, int64_t ldx, int64_t M,
       take_items(next, blocks, [&](int64_t i) {
         const int64_t n0 = i * block, n1 = std::min(N, (i + 1) * block);
         if (S == 1) v.columns(xp, M, ldx, ws[0], ldw, K, bp, yp, N, n0, n1);
-        else v.shard_columns(xp, M, ldx, ws, ldw, S, K, yp, N, n0, n1, lanes.data());
+        else v.shard_columns(xp, M, ldx, ws, ldw, S, K, yp, N, n0, n1, lanes.data(), to);
       });
     });
     return;
@@ -219,7 +219,7 @@ static void run(const Variant& variant, const float* xp, int64_t ldx, int64_t M,
     std::fill(sp, sp + acc, 0.0f);  // sums (tile.h) reads the lanes past a narrow block's last column too
     take_items(next_block, blocks, [&](int64_t i) {
       v.panel_columns(pp, shard_packed, M, K, ws, ldw, S, bp, yp, N, i * block, std::min(N, (i + 1) * block), sp,
-                      sp + acc, sp + acc + S * block * steps * 16, pairs);
+                      sp + acc, sp + acc + S * block * steps * 16, pairs, to);
     });
   });
 }
@@ -236,16 +236,16 @@ static void check_operands(const at::Tensor& x, const at::Tensor& weight) {
 
 // `run` over weights of fp32 or bf16 elements, one per shard, whose rows are equally far apart.
 static void run_any(const Variant& v, const float* xp, int64_t ldx, int64_t M, int64_t K,
-                    const std::vector<at::Tensor>& weights, const float* bp, float* yp) {
+                    const std::vector<at::Tensor>& weights, const float* bp, float* yp, Round to = Round::none) {
   const int64_t S = int64_t(weights.size()), N = weights[0].size(0), ldw = weights[0].stride(0);
   if (weights[0].dtype() == at::kBFloat16) {
     std::vector<const BF16*> ws;
     for (const auto& w : weights) ws.push_back(reinterpret_cast<const BF16*>(w.data_ptr<at::BFloat16>()));
-    run(v, xp, ldx, M, K, ws.data(), ldw, S, N, bp, yp);
+    run(v, xp, ldx, M, K, ws.data(), ldw, S, N, bp, yp, to);
   } else {
     std::vector<const float*> ws;
     for (const auto& w : weights) ws.push_back(w.data_ptr<float>());
-    run(v, xp, ldx, M, K, ws.data(), ldw, S, N, bp, yp);
+    run(v, xp, ldx, M, K, ws.data(), ldw, S, N, bp, yp, to);
   }
 }
 
@@ -339,8 +339,10 @@ at::Tensor linear_bf16_dot(at::Tensor x, at::Tensor weight, c10::optional<at::Te
 // column slices of one matrix, as a row-parallel layer holds them) are read in place, so the product
 // streams W as the unsharded one does; others are made contiguous first.
 // `dot`: bf16 shards on bf16 dot products (`linear_bf16_dot`'s order per shard), the tree with
-// denormals flushed as that order's are.
-static at::Tensor shard_tree(at::Tensor x, std::vector<at::Tensor> shards, const std::string& variant, bool dot) {
+// denormals flushed as that order's are. `to`: each shard's product and each level's sum rounded to
+// bf16 or fp16 (fp32 rows of such values: the per-shard calls under rows of that dtype, in one call).
+static at::Tensor shard_tree(at::Tensor x, std::vector<at::Tensor> shards, const std::string& variant, bool dot,
+                             Round to = Round::none) {
   const int64_t S = int64_t(shards.size());
   TORCH_CHECK_VALUE(S >= 1 && (S & (S - 1)) == 0, "the number of shards must be a power of two, got ", S);
   const at::Tensor& first = shards[0];
@@ -374,13 +376,18 @@ static at::Tensor shard_tree(at::Tensor x, std::vector<at::Tensor> shards, const
     run(v, reinterpret_cast<const float*>(pairs.data_ptr<int32_t>()), S * padded / 2, M, padded / 2, ws.data(),
         shards[0].stride(0) / 2, S, N, nullptr, yp);
   } else {
-    run_any(v, x.data_ptr<float>(), S * width, M, width, shards, nullptr, yp);
+    run_any(v, x.data_ptr<float>(), S * width, M, width, shards, nullptr, yp, to);
   }
   return y;
 }
 
-at::Tensor linear_shards(at::Tensor x, std::vector<at::Tensor> shards, const std::string& variant) {
-  return shard_tree(x, shards, variant, false);
+// `round`: '' (fp32 sums), 'bfloat16' or 'float16' (`Round`).
+at::Tensor linear_shards(at::Tensor x, std::vector<at::Tensor> shards, const std::string& variant,
+                         const std::string& round) {
+  TORCH_CHECK_VALUE(round == "" || round == "bfloat16" || round == "float16",
+                    "round must be '', 'bfloat16' or 'float16', got '", round, "'");
+  return shard_tree(x, shards, variant, false,
+                    round == "bfloat16" ? Round::bf16 : round == "float16" ? Round::fp16 : Round::none);
 }
 
 // lanes.h's `lane_pairing_forced`, by name; the bits are the same in every mode.
@@ -440,7 +447,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "y = x @ W^T (+ b) in the fixed reduction order", pybind11::arg("x"),
         pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("variant") = "");
   m.def("linear_shards", &linear_shards, "x @ W^T for W in K shards, their products summed in the fixed tree",
-        pybind11::arg("x"), pybind11::arg("shards"), pybind11::arg("variant") = "");
+        pybind11::arg("x"), pybind11::arg("shards"), pybind11::arg("variant") = "", pybind11::arg("round") = "");
   m.def("best_variant", &best_variant, "the instruction set the kernel runs by default");
   m.def("lane_pairing", &pairs_lanes, "whether the packed tiles take two lanes at once (speed only, lanes.h)");
   m.def("set_lane_pairing", &set_lane_pairing, "'auto' (the CPU decides), 'on' or 'off': for tests of both forms",
