@@ -1,7 +1,7 @@
 """`pocketllm bench --tensor-parallel` with the workload's knobs (see pocketllm.bench.tensor_parallel).
 
     python bench/tensor_parallel.py [--preset P ...] [--requests 8] [--prompt 64] [--new 32] [--sizes 1 2]
-                                    [--device cpu] [--out bench/results]
+                                    [--device cpu] [--dtype float32] [--out bench/results]
 Writes tensor_parallel.json and tensor_parallel.md; prints each configuration as it finishes.
 """
 
@@ -20,10 +20,11 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", help="the rows' dtype (EngineArgs.dtype)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2], help="the tensor-parallel sizes to run")
     args = parser.parse_args()
-    workload = Workload(args.requests, args.prompt, args.new, tuple(args.sizes), args.device)
+    workload = Workload(args.requests, args.prompt, args.new, tuple(args.sizes), args.device, args.dtype)
     print(run(args.out, False, tuple(args.preset), workload))
 
 

@@ -44,6 +44,7 @@ class Workload:
     new: int
     sizes: tuple[int, ...] = (1, 2)
     device: str = "cpu"
+    dtype: str = "float32"  # the rows' (EngineArgs.dtype): under bf16 or fp16 the tree rounds to it
 
 
 PRESETS = {"quick": ("qwen3-moe-tiny",), "full": ("qwen3-moe-small", "qwen3.5-moe-small")}
@@ -64,8 +65,9 @@ def run_config(path: str, size: int, tree: bool, expert_parallel: bool, workload
     device = workload.device
     torch.set_num_threads(max(1, cores // size if device == "cpu" else cores))  # the workers take this count
     started = time.perf_counter()
-    llm = LLM(EngineArgs(model=path, device=device, max_seq_len=workload.prompt + workload.new + 8,
-                         tensor_parallel_size=size, enable_expert_parallel=expert_parallel,
+    llm = LLM(EngineArgs(model=path, device=device, dtype=workload.dtype,
+                         max_seq_len=workload.prompt + workload.new + 8, tensor_parallel_size=size,
+                         enable_expert_parallel=expert_parallel,
                          backend_options={"enable_batching": True, "max_batch_size": len(prompts),
                                           "exact_positions": True, "tree_reduction": tree}))
     load_s = time.perf_counter() - started
@@ -110,7 +112,7 @@ def measure_preset(preset: str, workload: Workload) -> dict[str, Any]:
 def markdown(report: dict[str, Any]) -> str:
     machine, workload = report["machine"], report["workload"]
     lines = [f"# Tensor parallelism: {workload['requests']} requests x ({workload['prompt']} in, "
-             f"{workload['new']} out), {workload['device']}", "",
+             f"{workload['new']} out), {workload['device']}, {workload.get('dtype', 'float32')}", "",
              f"Machine: {machine.get('processor', '?')}, {machine.get('cpu_count', '?')} cores; load average at "
              f"the end {machine.get('load_average_1min_at_end')}", "",
              "| preset | configuration | threads/rank | tokens/s | vs TP=1 no tree | bitwise = TP=1 tree | "
