@@ -32,6 +32,10 @@ IMPLS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.
     "fixed_order 8 shards": lambda x, _, __, shards: in_shards(linear_fixed_order, x, shards),
     "fixed_order_avx2": lambda x, w, _, __: linear_fixed_order_avx2(x, w),
     "fixed_order bf16 W": lambda x, _, w16, __: linear_fixed_order(x, w16),
+    # bf16 rows (an engine in bf16; x rounded per call, in both): the tree rounds each shard and level to bf16
+    "fixed_order bf16 rows": lambda x, _, w16, __: linear_fixed_order(x.bfloat16(), w16),
+    "fixed_order 8 shards, bf16 rows": lambda x, _, w16, shards: in_shards(
+        linear_fixed_order, x.bfloat16(), list(w16.split(w16.shape[1] // len(shards), dim=1))),
     "mkl_tile4": lambda x, w, _, __: linear_row_invariant(x, w, None, 4),
     "mkl_tile64": lambda x, w, _, __: linear_row_invariant(x, w, None, 64),
     "F.linear": lambda x, w, _, __: F.linear(x, w),

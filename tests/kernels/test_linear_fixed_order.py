@@ -337,3 +337,32 @@ def test_the_shard_tree_names_the_dtypes_it_rounds_to():
     x, w, _ = _data(2, 8, 32, bias=False)
     with pytest.raises(ValueError, match="round must be '', 'bfloat16' or 'float16', got 'half'"):
         EXT.linear_shards(x, list(w.split(16, dim=1)), "", "half")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [7, 20])
+def test_the_tree_rounds_ties_overflow_infinities_and_nan_as_torch_does(dtype, m):
+    """Shards one feature wide (each shard's product x * w, exact in fp32), of values whose products and
+    sums fall on the dtype's ties (1 + 2^-7 for bf16, 1 + 2^-10 for fp16, times 1.5), overflow it, or
+    are infinite or NaN: the kernel's one call has the bits of one call per shard summed by `tree_sum` in
+    that dtype (signed zeros and infinities included; a NaN where it has one: torch's own NaN bits differ
+    between its vectorized and scalar conversions), on the direct tiles (7 rows) and the packed ones (20)."""
+    info = torch.finfo(dtype)
+    tie = 1 + 2 * info.eps / 2  # its product with 1.5 lies halfway between two of the dtype's values
+    finite = [tie, -tie, 1.5, info.tiny, 0.0, -0.0, 3.0, -1.0]
+    gen = torch.Generator().manual_seed(5)
+    x = torch.tensor(finite, dtype=torch.float32)[torch.randint(len(finite), (m, 8), generator=gen)]
+    x[0, 2], x[1, 6], x[2, 0] = float("inf"), float("nan"), float("-inf")
+    x[3, 1], x[3, 4], x[4, 0], x[4, 7] = info.max, info.max / 2, -info.max, info.max  # sums past the dtype's max
+    x = x.to(dtype)
+    w = torch.tensor([1.5, tie, 1.0, -1.5, 2.0, 0.5, -1.0, 1.0], dtype=torch.float32)
+    w = torch.stack([w.roll(i) for i in range(7)]).to(dtype)  # [7, 8]: eight shards of one feature
+    parts = list(w.split(1, dim=1))
+    one_call_each = tree_sum([linear_fixed_order(x[:, i:i + 1].contiguous(), part.contiguous())
+                              for i, part in enumerate(parts)])
+    native = in_shards(linear_fixed_order, x, parts)
+    assert native_shards(linear_fixed_order, dtype, 8) is not None
+    nan = one_call_each.isnan()
+    assert torch.equal(native.isnan(), nan)
+    assert torch.equal(native[~nan].view(torch.int16), one_call_each[~nan].view(torch.int16))
+    assert nan.any() and one_call_each.isinf().any() and one_call_each.isfinite().any()  # the cases are there

@@ -202,7 +202,7 @@ static constexpr int TILE_OUTPUTS = tile_outputs();
 // the last zeroed by the caller) and their lane trees are `sums`, GROUP outputs at a time: the same
 // tree as Lanes::sum, a few instructions an output instead of one horizontal sum each. S = 1 (the
 // attention's scores): each tile's outputs summed in registers (`Out::trees`); `lanes` is not read.
-// `to`: each shard's sums and each level's rounded (`rounded`).
+// `to`: each shard's sums and each level's rounded (`round_to`).
 template <typename WT>
 static void shard_columns(const float* x, int64_t M, int64_t ldx, const WT* const* ws, int64_t ldw, int64_t S, int64_t K,
                           float* y, int64_t ldy, int64_t n0, int64_t n1, float* lanes, Round to = Round::none) {
@@ -222,12 +222,13 @@ static void shard_columns(const float* x, int64_t M, int64_t ldx, const WT* cons
                                                                        ws[s] + n * ldw, ldw, K, nullptr,
                                                                        lanes + s * outputs * 16, 0);
       sums(lanes, S * outputs, nullptr, totals);
-      if (to != Round::none)
-        for (int64_t o = 0; o < S * outputs; ++o) totals[o] = rounded(totals[o], to);
+      round_to(totals, S * outputs, to);
       for (int64_t step = 1; step < S; step *= 2)
-        for (int64_t s = 0; s < S; s += 2 * step)
+        for (int64_t s = 0; s < S; s += 2 * step) {
           for (int o = 0; o < outputs; ++o)
-            totals[s * outputs + o] = rounded(totals[s * outputs + o] + totals[(s + step) * outputs + o], to);
+            totals[s * outputs + o] = totals[s * outputs + o] + totals[(s + step) * outputs + o];
+          round_to(totals + s * outputs, outputs, to);
+        }
       for (int r = 0; r < rows; ++r)
         for (int c = 0; c < cols; ++c) y[(m + r) * ldy + n + c] = totals[r * cols + c];
     }
@@ -424,7 +425,7 @@ static inline int64_t panel_group(int64_t S, int64_t K, bool pairs) {
 // (at least (log2 S + 1) * PANEL_ROWS * PANEL_COLS floats) as each shard ends, so that no shard's
 // products ever leave the cache. Scratch: acc, PANEL_ROWS * PANEL_COLS * 16 floats, and wp, S *
 // PANEL_COLS * steps_of(K) * 16 floats. Which columns a call gets changes who computes a column, never how.
-// `to`: each shard's sums and each level's rounded (`rounded`).
+// `to`: each shard's sums and each level's rounded (`round_to`).
 template <typename WT>
 static void panel_columns(const float* xp, int64_t xstride, int64_t M, int64_t K, const WT* const* ws, int64_t ldw,
                           int64_t S, const float* bias, float* y, int64_t ldy, int64_t n0, int64_t n1, float* acc,
@@ -470,14 +471,13 @@ static void panel_columns(const float* xp, int64_t xstride, int64_t M, int64_t K
           }
         }
       if (S == 1) continue;
-      if (to != Round::none)
-        for (int r = 0; r < rows; ++r)
-          for (int64_t c = 0; c < width; ++c) sum[r * PANEL_COLS + c] = rounded(sum[r * PANEL_COLS + c], to);
+      for (int r = 0; r < rows; ++r) round_to(sum + r * PANEL_COLS, width, to);
       for (int64_t left = 0; left < level; ++left) {
         const float* half = tree + left * outputs;
-        for (int r = 0; r < rows; ++r)
-          for (int64_t c = 0; c < width; ++c)
-            sum[r * PANEL_COLS + c] = rounded(half[r * PANEL_COLS + c] + sum[r * PANEL_COLS + c], to);
+        for (int r = 0; r < rows; ++r) {
+          for (int64_t c = 0; c < width; ++c) sum[r * PANEL_COLS + c] = half[r * PANEL_COLS + c] + sum[r * PANEL_COLS + c];
+          round_to(sum + r * PANEL_COLS, width, to);
+        }
       }
       if (shard + 1 == S) {
         for (int r = 0; r < rows; ++r) std::memcpy(y + (m + r) * ldy + n0, sum + r * PANEL_COLS, sizeof(float) * width);
