@@ -20,7 +20,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", help="the rows' dtype (EngineArgs.dtype)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="the rows' dtype (EngineArgs.dtype)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2], help="the tensor-parallel sizes to run")
     args = parser.parse_args()

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..config import EngineArgs
+from ..config import DTypeName, EngineArgs
 from ..llm import LLM
 from ..models import cached_checkpoint
 from ..models.registry import read_config
@@ -44,7 +44,7 @@ class Workload:
     new: int
     sizes: tuple[int, ...] = (1, 2)
     device: str = "cpu"
-    dtype: str = "float32"  # the rows' (EngineArgs.dtype): under bf16 or fp16 the tree rounds to it
+    dtype: DTypeName = "float32"  # the rows' (EngineArgs.dtype): under bf16 or fp16 the tree rounds to it
 
 
 PRESETS = {"quick": ("qwen3-moe-tiny",), "full": ("qwen3-moe-small", "qwen3.5-moe-small")}
