@@ -38,13 +38,18 @@ struct BF16 {
 // bits of one call per shard summed by `tree_sum`; none: fp32 throughout.
 enum class Round : int { none, bf16, fp16 };
 
-// bf16's nearest even of v, in fp32 (NaN: the quiet 0x7FC0), as c10::BFloat16(v) rounds: branch-free,
-// so that a loop of it vectorizes.
+// The fp32 bits u rounded to bf16's nearest even, as c10::BFloat16 and torch's x.to(torch.bfloat16) round
+// (NaN to the quiet 0x7FC0), in the upper 16 bits: branch-free, so that a loop of it vectorizes.
+static inline uint32_t bf16_nearest_bits(uint32_t u) {
+  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+  return nan ? 0x7FC00000u : (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+}
+
+// v rounded to bf16's nearest even, in fp32.
 static inline float bf16_nearest(float v) {
   uint32_t u;
   std::memcpy(&u, &v, sizeof u);
-  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-  u = nan ? 0x7FC00000u : (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  u = bf16_nearest_bits(u);
   std::memcpy(&v, &u, sizeof u);
   return v;
 }

@@ -270,8 +270,8 @@ at::Tensor linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bia
 }
 
 // x [M, K] fp32 as bf16 pairs: each element rounded to nearest even as torch's x.to(torch.bfloat16) does
-// (NaN to the quiet 0x7FC0), elements 2i and 2i + 1 of a row in 32-bit element i's low and high halves;
-// an odd K gets one zero element more.
+// (`bf16_nearest_bits`), elements 2i and 2i + 1 of a row in 32-bit element i's low and high halves; an odd
+// K gets one zero element more.
 static at::Tensor bf16_pairs(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), pairs = (K + 1) / 2;
   at::Tensor out = at::empty({M, pairs}, x.options().dtype(at::kInt));
@@ -281,10 +281,7 @@ static at::Tensor bf16_pairs(const at::Tensor& x) {
     for (int64_t r = begin; r < end; ++r) {
       const uint32_t* row = in + r * K;
       uint16_t* half = halves + r * 2 * pairs;
-      for (int64_t k = 0; k < K; ++k) {  // branch-free, so that it vectorizes
-        const uint32_t u = row[k], nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-        half[k] = uint16_t(nan ? 0x7FC0u : (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-      }
+      for (int64_t k = 0; k < K; ++k) half[k] = uint16_t(bf16_nearest_bits(row[k]) >> 16);
       if (K % 2) half[K] = 0;
     }
   });
