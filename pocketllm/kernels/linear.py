@@ -155,9 +155,14 @@ def _fixed_order(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                          f"{None if bias is None else bias.dtype}")
     if x.dtype == torch.float32:
         return module.linear(x, weight, bias, variant)
-    wide_weight = weight if weight.dtype == torch.bfloat16 else weight.float()
-    out = module.linear(x.float(), wide_weight, None if bias is None else bias.float(), variant)
+    out = module.linear(x.float(), _kernel_weight(weight), None if bias is None else bias.float(), variant)
     return out.to(x.dtype)
+
+
+def _kernel_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A weight under fp16 or bf16 rows as the kernel takes it: bf16 as it is (widened exactly as it is
+    loaded), fp16 as an fp32 copy."""
+    return weight if weight.dtype == torch.bfloat16 else weight.float()
 
 
 def linear_bf16_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -226,7 +231,7 @@ def _native_shards(variant: str, dot: bool = False) -> Sharded:
             return module.linear_shards(x, list(shards), variant)
         # Rows of fp16 or bf16: widened as `_fixed_order` widens them, and each shard's product and each
         # level's sum rounded to their dtype in the kernel, as one call per shard and `tree_sum` round them.
-        wide = [shard if shard.dtype == torch.bfloat16 else shard.float() for shard in shards]
+        wide = [_kernel_weight(shard) for shard in shards]
         return module.linear_shards(x.float(), wide, variant, str(x.dtype).removeprefix("torch.")).to(x.dtype)
     return run
 
